@@ -1,0 +1,34 @@
+# One entry point for set-up, tests and the main job. Every target creates .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch first and pinned: on CPU-only machines pip takes the local 2.13.0+cpu build; any torch >= 2.6 works.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= trainer,dev
+
+.PHONY: venv test lint analyze bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# The main job (until the end-to-end demo lands): the paper's direction analysis on synthetic states.
+analyze: venv
+	$(VENV)/bin/maskroll analyze $(ARGS)
+
+bench: venv
+	$(PY) bench/adapter.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
