@@ -1,0 +1,188 @@
+"""The one place that converts protobuf messages ⇄ domain objects (STYLE.md §5, §9).
+
+Arrays travel as packed little-endian bytes. Decoding validates lengths and shapes, so a truncated or
+foreign payload raises `WireError` instead of producing a record a trainer could misread.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._proto import rollout_pb2 as pb
+from .records import SCHEMA_VERSION, RolloutChunk, RolloutRecord, SamplingOptions, Semantics
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+FINISH_TO_PB = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+
+
+class WireError(ValueError):
+    """A payload that does not decode to a valid maskroll message."""
+
+
+def pack(a: np.ndarray, dtype: np.dtype) -> bytes:
+    return np.ascontiguousarray(a, dtype=dtype).tobytes()
+
+
+def unpack(data: bytes, dtype: np.dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise WireError(f"{what}: {len(data)} bytes, expected {expected} for shape {shape}")
+    # frombuffer is a zero-copy read-only view; astype gives native-endian, writable arrays.
+    return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+
+
+# ---- sampling options -----------------------------------------------------------------------------
+
+
+def options_to_pb(o: SamplingOptions) -> pb.SamplingOptions:
+    msg = pb.SamplingOptions(
+        temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, max_tokens=o.max_tokens, n=o.n,
+        logprobs_k=o.logprobs_k, stop_token_ids=list(o.stop_token_ids),
+    )
+    if o.seed is not None:
+        msg.seed = o.seed
+    return msg
+
+
+def options_from_pb(m: pb.SamplingOptions) -> SamplingOptions:
+    return SamplingOptions(
+        max_tokens=m.max_tokens,
+        temperature=m.temperature if m.HasField("temperature") else 1.0,
+        top_p=m.top_p if m.HasField("top_p") else 1.0,
+        top_k=m.top_k if m.HasField("top_k") else 0,
+        logprobs_k=m.logprobs_k,
+        n=m.n or 1,
+        seed=m.seed if m.HasField("seed") else None,
+        stop_token_ids=tuple(m.stop_token_ids),
+    )
+
+
+def generate_request(
+    prompt_ids, options: SamplingOptions, *, request_id: str = "", job_id: str = "", group_id: str = "",
+    metadata: dict[str, str] | None = None, include_record_arrays: bool = False,
+) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt_token_ids=pack(np.asarray(prompt_ids), _I32), options=options_to_pb(options), request_id=request_id,
+        job_id=job_id, group_id=group_id, metadata=metadata or {}, include_record_arrays=include_record_arrays,
+    )
+
+
+def prompt_from_pb(m: pb.GenerateRequest) -> np.ndarray:
+    if len(m.prompt_token_ids) % 4:
+        raise WireError(f"prompt_token_ids: {len(m.prompt_token_ids)} bytes is not a whole number of int32")
+    return unpack(m.prompt_token_ids, _I32, (len(m.prompt_token_ids) // 4,), "prompt_token_ids")
+
+
+# ---- records --------------------------------------------------------------------------------------
+
+
+def semantics_to_pb(s: Semantics) -> pb.Semantics:
+    return pb.Semantics(**s.__dict__)
+
+
+def semantics_from_pb(m: pb.Semantics) -> Semantics:
+    return Semantics(
+        logprobs_mode=m.logprobs_mode, temperature=m.temperature, top_p=m.top_p, top_k=m.top_k,
+        logprobs_k=m.logprobs_k, engine=m.engine, engine_version=m.engine_version, model=m.model,
+    )
+
+
+def record_to_pb(r: RolloutRecord, *, arrays: bool = True) -> pb.RolloutRecord:
+    msg = pb.RolloutRecord(
+        schema_version=r.schema_version, rollout_id=r.rollout_id, request_id=r.request_id, job_id=r.job_id,
+        group_id=r.group_id, sample_index=r.sample_index, metadata=r.metadata,
+        prompt_token_ids=pack(r.prompt_ids, _I32), num_tokens=r.num_tokens,
+        finish_reason=FINISH_TO_PB[r.finish_reason], semantics=semantics_to_pb(r.semantics),
+        policy_version_first=r.policy_version_first, policy_version_last=r.policy_version_last,
+        version_changes=[pb.VersionChange(token_index=i, version=v) for i, v in r.version_changes],
+        replica_id=r.replica_id, created_at=r.created_at,
+    )
+    if arrays:
+        msg.completion_token_ids = pack(r.completion_ids, _I32)
+        msg.sampled_logprobs = pack(r.sampled_logprobs, _F32)
+        msg.sampled_ranks = pack(r.sampled_ranks, _I32)
+        msg.topk_ids = pack(r.topk_ids, _I32)
+        msg.topk_logprobs = pack(r.topk_logprobs, _F32)
+    return msg
+
+
+def record_from_pb(m: pb.RolloutRecord, *, arrays: bool = True) -> RolloutRecord:
+    """Decode and validate. With arrays=False the arrays are left empty (a stream's record header)."""
+    if m.schema_version != SCHEMA_VERSION:
+        raise WireError(f"schema_version {m.schema_version}; this client reads {SCHEMA_VERSION}")
+    if m.finish_reason not in FINISH_FROM_PB:
+        raise WireError(f"finish_reason {m.finish_reason} is not a finished state")
+    if m.semantics.logprobs_mode != "processed":
+        raise WireError(f"logprobs_mode {m.semantics.logprobs_mode!r}; maskroll records carry 'processed'")
+    t, k = m.num_tokens, m.semantics.logprobs_k
+    if len(m.prompt_token_ids) % 4:
+        raise WireError("prompt_token_ids is not a whole number of int32")
+    prompt = unpack(m.prompt_token_ids, _I32, (len(m.prompt_token_ids) // 4,), "prompt_token_ids")
+    n = t if arrays else 0
+    rec = RolloutRecord(
+        rollout_id=m.rollout_id, request_id=m.request_id, prompt_ids=prompt,
+        completion_ids=unpack(m.completion_token_ids, _I32, (n,), "completion_token_ids"),
+        sampled_logprobs=unpack(m.sampled_logprobs, _F32, (n,), "sampled_logprobs"),
+        sampled_ranks=unpack(m.sampled_ranks, _I32, (n,), "sampled_ranks"),
+        topk_ids=unpack(m.topk_ids, _I32, (n, k), "topk_ids"),
+        topk_logprobs=unpack(m.topk_logprobs, _F32, (n, k), "topk_logprobs"),
+        finish_reason=FINISH_FROM_PB[m.finish_reason], semantics=semantics_from_pb(m.semantics),
+        policy_version_first=m.policy_version_first, policy_version_last=m.policy_version_last,
+        version_changes=[(c.token_index, c.version) for c in m.version_changes], job_id=m.job_id,
+        group_id=m.group_id, sample_index=m.sample_index, metadata=dict(m.metadata), replica_id=m.replica_id,
+        created_at=m.created_at, schema_version=m.schema_version,
+    )
+    return rec
+
+
+def encode_record(r: RolloutRecord) -> bytes:
+    """A record as stored in Redis: the same protobuf message as on the gRPC stream."""
+    return record_to_pb(r).SerializeToString()
+
+
+def decode_record(data: bytes) -> RolloutRecord:
+    msg = pb.RolloutRecord()
+    try:
+        msg.ParseFromString(data)
+    except Exception as e:  # protobuf raises DecodeError or RuntimeWarning-ish errors by backend
+        raise WireError(f"not a RolloutRecord: {e}") from e
+    return record_from_pb(msg)
+
+
+# ---- chunks ---------------------------------------------------------------------------------------
+
+
+def chunk_to_pb(c: RolloutChunk, *, record_arrays: bool = False) -> pb.GenerateChunk:
+    msg = pb.GenerateChunk(
+        request_id=c.request_id, sample_index=c.sample_index, start_index=c.start_index,
+        token_ids=pack(c.token_ids, _I32), sampled_logprobs=pack(c.sampled_logprobs, _F32),
+        sampled_ranks=pack(c.sampled_ranks, _I32), topk_ids=pack(c.topk_ids, _I32),
+        topk_logprobs=pack(c.topk_logprobs, _F32), logprobs_k=c.topk_ids.shape[1] if c.topk_ids.ndim == 2 else 0,
+        policy_version=c.policy_version,
+    )
+    if c.record is not None:
+        msg.record.CopyFrom(record_to_pb(c.record, arrays=record_arrays))
+    return msg
+
+
+def chunk_from_pb(m: pb.GenerateChunk) -> RolloutChunk:
+    if len(m.token_ids) % 4:
+        raise WireError("token_ids is not a whole number of int32")
+    t, k = len(m.token_ids) // 4, m.logprobs_k
+    record = None
+    if m.HasField("record"):
+        record = record_from_pb(m.record, arrays=len(m.record.completion_token_ids) > 0 or m.record.num_tokens == 0)
+    return RolloutChunk(
+        request_id=m.request_id, sample_index=m.sample_index, start_index=m.start_index,
+        token_ids=unpack(m.token_ids, _I32, (t,), "token_ids"),
+        sampled_logprobs=unpack(m.sampled_logprobs, _F32, (t,), "sampled_logprobs"),
+        sampled_ranks=unpack(m.sampled_ranks, _I32, (t,), "sampled_ranks"),
+        topk_ids=unpack(m.topk_ids, _I32, (t, k), "topk_ids"),
+        topk_logprobs=unpack(m.topk_logprobs, _F32, (t, k), "topk_logprobs"),
+        policy_version=m.policy_version, record=record,
+    )

@@ -1,0 +1,89 @@
+"""The engine contract: what the servicer needs from vLLM or the torch reference engine.
+
+An engine generates one sample per request and streams `EngineOutput`s: new tokens with the logprobs
+of the *processed* distribution it sampled from (temperature, then top-k, then top-p, renormalised),
+exactly K top-K entries per token sorted by rank, and the sampled token's logprob and rank separately.
+Cancelling the consumer of `generate` (CancelledError / aclose) must abort the request in the engine.
+Engines know nothing of gRPC, Redis or protobuf.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One sample's validated sampling parameters (the servicer checked them against `EngineLimits`)."""
+
+    max_tokens: int
+    temperature: float = 1.0  # > 0
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 = off
+    logprobs_k: int = 0  # K
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str  # unique per sample
+    prompt_ids: np.ndarray  # int32 [P]
+    params: SamplingParams
+
+
+@dataclass
+class EngineOutput:
+    """Tokens produced since the previous output of the same request, all under one policy version."""
+
+    token_ids: np.ndarray  # int32 [t]
+    sampled_logprobs: np.ndarray  # float32 [t]
+    sampled_ranks: np.ndarray  # int32 [t], 1-based
+    topk_ids: np.ndarray  # int32 [t, K]
+    topk_logprobs: np.ndarray  # float32 [t, K]
+    policy_version: int
+    finish_reason: str | None = None  # "stop" | "length" on the last output
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    vocab_size: int
+    max_model_len: int  # prompt + completion tokens
+    max_logprobs: int  # largest K a request may ask for
+
+
+class Engine(abc.ABC):
+    """A generation backend. One instance per server process; `start` before use, `close` at exit."""
+
+    name: str  # "vllm" | "torch"
+    version: str  # engine library version
+    model_id: str
+
+    @property
+    @abc.abstractmethod
+    def limits(self) -> EngineLimits: ...
+
+    @property
+    @abc.abstractmethod
+    def policy_version(self) -> int: ...
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Stream the sample's tokens; the last output has `finish_reason` set."""
+
+    @abc.abstractmethod
+    async def update_weights(self, version: int, checkpoint_dir: Path) -> int:
+        """Load safetensors weights from `checkpoint_dir` and make `version` current. In-flight requests
+        are paused (not dropped) while loading and resume under the new version. Returns the number of
+        requests that were in flight."""
