@@ -37,7 +37,11 @@ class SamplingOptions:
     def problems(self) -> list[str]:
         """Client-side checks of what needs no server knowledge; the server re-checks everything."""
         out = []
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
+        if not (
+            isinstance(self.temperature, (int, float))
+            and math.isfinite(self.temperature)
+            and self.temperature > 0
+        ):
             out.append(f"temperature must be finite and > 0, got {self.temperature}")
         if not (isinstance(self.top_p, (int, float)) and math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             out.append(f"top_p must be in (0, 1], got {self.top_p}")
@@ -140,7 +144,9 @@ class RecordAssembler:
         parts = self._parts.setdefault(chunk.sample_index, [])
         expected = sum(len(c.token_ids) for c in parts)
         if chunk.start_index != expected:
-            raise ValueError(f"sample {chunk.sample_index}: chunk starts at {chunk.start_index}, expected {expected}")
+            raise ValueError(
+                f"sample {chunk.sample_index}: chunk starts at {chunk.start_index}, expected {expected}"
+            )
         parts.append(chunk)
         if chunk.record is None:
             return None
@@ -150,8 +156,12 @@ class RecordAssembler:
         ids_k, lp_k = _empty_k(k)
         rec = RolloutRecord(**{**header.__dict__})
         rec.completion_ids = np.concatenate([c.token_ids for c in parts]).astype(np.int32, copy=False)
-        rec.sampled_logprobs = np.concatenate([c.sampled_logprobs for c in parts]).astype(np.float32, copy=False)
+        rec.sampled_logprobs = np.concatenate([c.sampled_logprobs for c in parts]).astype(
+            np.float32, copy=False
+        )
         rec.sampled_ranks = np.concatenate([c.sampled_ranks for c in parts]).astype(np.int32, copy=False)
         rec.topk_ids = np.concatenate([ids_k, *(c.topk_ids for c in parts)]).astype(np.int32, copy=False)
-        rec.topk_logprobs = np.concatenate([lp_k, *(c.topk_logprobs for c in parts)]).astype(np.float32, copy=False)
+        rec.topk_logprobs = np.concatenate([lp_k, *(c.topk_logprobs for c in parts)]).astype(
+            np.float32, copy=False
+        )
         return rec

@@ -16,7 +16,11 @@ from .records import SCHEMA_VERSION, RolloutChunk, RolloutRecord, SamplingOption
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 
-FINISH_TO_PB = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+FINISH_TO_PB = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
 
@@ -41,8 +45,13 @@ def unpack(data: bytes, dtype: np.dtype, shape: tuple[int, ...], what: str) -> n
 
 def options_to_pb(o: SamplingOptions) -> pb.SamplingOptions:
     msg = pb.SamplingOptions(
-        temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, max_tokens=o.max_tokens, n=o.n,
-        logprobs_k=o.logprobs_k, stop_token_ids=list(o.stop_token_ids),
+        temperature=o.temperature,
+        top_p=o.top_p,
+        top_k=o.top_k,
+        max_tokens=o.max_tokens,
+        n=o.n,
+        logprobs_k=o.logprobs_k,
+        stop_token_ids=list(o.stop_token_ids),
     )
     if o.seed is not None:
         msg.seed = o.seed
@@ -63,12 +72,23 @@ def options_from_pb(m: pb.SamplingOptions) -> SamplingOptions:
 
 
 def generate_request(
-    prompt_ids, options: SamplingOptions, *, request_id: str = "", job_id: str = "", group_id: str = "",
-    metadata: dict[str, str] | None = None, include_record_arrays: bool = False,
+    prompt_ids,
+    options: SamplingOptions,
+    *,
+    request_id: str = "",
+    job_id: str = "",
+    group_id: str = "",
+    metadata: dict[str, str] | None = None,
+    include_record_arrays: bool = False,
 ) -> pb.GenerateRequest:
     return pb.GenerateRequest(
-        prompt_token_ids=pack(np.asarray(prompt_ids), _I32), options=options_to_pb(options), request_id=request_id,
-        job_id=job_id, group_id=group_id, metadata=metadata or {}, include_record_arrays=include_record_arrays,
+        prompt_token_ids=pack(np.asarray(prompt_ids), _I32),
+        options=options_to_pb(options),
+        request_id=request_id,
+        job_id=job_id,
+        group_id=group_id,
+        metadata=metadata or {},
+        include_record_arrays=include_record_arrays,
     )
 
 
@@ -87,20 +107,35 @@ def semantics_to_pb(s: Semantics) -> pb.Semantics:
 
 def semantics_from_pb(m: pb.Semantics) -> Semantics:
     return Semantics(
-        logprobs_mode=m.logprobs_mode, temperature=m.temperature, top_p=m.top_p, top_k=m.top_k,
-        logprobs_k=m.logprobs_k, engine=m.engine, engine_version=m.engine_version, model=m.model,
+        logprobs_mode=m.logprobs_mode,
+        temperature=m.temperature,
+        top_p=m.top_p,
+        top_k=m.top_k,
+        logprobs_k=m.logprobs_k,
+        engine=m.engine,
+        engine_version=m.engine_version,
+        model=m.model,
     )
 
 
 def record_to_pb(r: RolloutRecord, *, arrays: bool = True) -> pb.RolloutRecord:
     msg = pb.RolloutRecord(
-        schema_version=r.schema_version, rollout_id=r.rollout_id, request_id=r.request_id, job_id=r.job_id,
-        group_id=r.group_id, sample_index=r.sample_index, metadata=r.metadata,
-        prompt_token_ids=pack(r.prompt_ids, _I32), num_tokens=r.num_tokens,
-        finish_reason=FINISH_TO_PB[r.finish_reason], semantics=semantics_to_pb(r.semantics),
-        policy_version_first=r.policy_version_first, policy_version_last=r.policy_version_last,
+        schema_version=r.schema_version,
+        rollout_id=r.rollout_id,
+        request_id=r.request_id,
+        job_id=r.job_id,
+        group_id=r.group_id,
+        sample_index=r.sample_index,
+        metadata=r.metadata,
+        prompt_token_ids=pack(r.prompt_ids, _I32),
+        num_tokens=r.num_tokens,
+        finish_reason=FINISH_TO_PB[r.finish_reason],
+        semantics=semantics_to_pb(r.semantics),
+        policy_version_first=r.policy_version_first,
+        policy_version_last=r.policy_version_last,
         version_changes=[pb.VersionChange(token_index=i, version=v) for i, v in r.version_changes],
-        replica_id=r.replica_id, created_at=r.created_at,
+        replica_id=r.replica_id,
+        created_at=r.created_at,
     )
     if arrays:
         msg.completion_token_ids = pack(r.completion_ids, _I32)
@@ -125,17 +160,26 @@ def record_from_pb(m: pb.RolloutRecord, *, arrays: bool = True) -> RolloutRecord
     prompt = unpack(m.prompt_token_ids, _I32, (len(m.prompt_token_ids) // 4,), "prompt_token_ids")
     n = t if arrays else 0
     rec = RolloutRecord(
-        rollout_id=m.rollout_id, request_id=m.request_id, prompt_ids=prompt,
+        rollout_id=m.rollout_id,
+        request_id=m.request_id,
+        prompt_ids=prompt,
         completion_ids=unpack(m.completion_token_ids, _I32, (n,), "completion_token_ids"),
         sampled_logprobs=unpack(m.sampled_logprobs, _F32, (n,), "sampled_logprobs"),
         sampled_ranks=unpack(m.sampled_ranks, _I32, (n,), "sampled_ranks"),
         topk_ids=unpack(m.topk_ids, _I32, (n, k), "topk_ids"),
         topk_logprobs=unpack(m.topk_logprobs, _F32, (n, k), "topk_logprobs"),
-        finish_reason=FINISH_FROM_PB[m.finish_reason], semantics=semantics_from_pb(m.semantics),
-        policy_version_first=m.policy_version_first, policy_version_last=m.policy_version_last,
-        version_changes=[(c.token_index, c.version) for c in m.version_changes], job_id=m.job_id,
-        group_id=m.group_id, sample_index=m.sample_index, metadata=dict(m.metadata), replica_id=m.replica_id,
-        created_at=m.created_at, schema_version=m.schema_version,
+        finish_reason=FINISH_FROM_PB[m.finish_reason],
+        semantics=semantics_from_pb(m.semantics),
+        policy_version_first=m.policy_version_first,
+        policy_version_last=m.policy_version_last,
+        version_changes=[(c.token_index, c.version) for c in m.version_changes],
+        job_id=m.job_id,
+        group_id=m.group_id,
+        sample_index=m.sample_index,
+        metadata=dict(m.metadata),
+        replica_id=m.replica_id,
+        created_at=m.created_at,
+        schema_version=m.schema_version,
     )
     return rec
 
@@ -159,10 +203,15 @@ def decode_record(data: bytes) -> RolloutRecord:
 
 def chunk_to_pb(c: RolloutChunk, *, record_arrays: bool = False) -> pb.GenerateChunk:
     msg = pb.GenerateChunk(
-        request_id=c.request_id, sample_index=c.sample_index, start_index=c.start_index,
-        token_ids=pack(c.token_ids, _I32), sampled_logprobs=pack(c.sampled_logprobs, _F32),
-        sampled_ranks=pack(c.sampled_ranks, _I32), topk_ids=pack(c.topk_ids, _I32),
-        topk_logprobs=pack(c.topk_logprobs, _F32), logprobs_k=c.topk_ids.shape[1] if c.topk_ids.ndim == 2 else 0,
+        request_id=c.request_id,
+        sample_index=c.sample_index,
+        start_index=c.start_index,
+        token_ids=pack(c.token_ids, _I32),
+        sampled_logprobs=pack(c.sampled_logprobs, _F32),
+        sampled_ranks=pack(c.sampled_ranks, _I32),
+        topk_ids=pack(c.topk_ids, _I32),
+        topk_logprobs=pack(c.topk_logprobs, _F32),
+        logprobs_k=c.topk_ids.shape[1] if c.topk_ids.ndim == 2 else 0,
         policy_version=c.policy_version,
     )
     if c.record is not None:
@@ -176,13 +225,18 @@ def chunk_from_pb(m: pb.GenerateChunk) -> RolloutChunk:
     t, k = len(m.token_ids) // 4, m.logprobs_k
     record = None
     if m.HasField("record"):
-        record = record_from_pb(m.record, arrays=len(m.record.completion_token_ids) > 0 or m.record.num_tokens == 0)
+        record = record_from_pb(
+            m.record, arrays=len(m.record.completion_token_ids) > 0 or m.record.num_tokens == 0
+        )
     return RolloutChunk(
-        request_id=m.request_id, sample_index=m.sample_index, start_index=m.start_index,
+        request_id=m.request_id,
+        sample_index=m.sample_index,
+        start_index=m.start_index,
         token_ids=unpack(m.token_ids, _I32, (t,), "token_ids"),
         sampled_logprobs=unpack(m.sampled_logprobs, _F32, (t,), "sampled_logprobs"),
         sampled_ranks=unpack(m.sampled_ranks, _I32, (t,), "sampled_ranks"),
         topk_ids=unpack(m.topk_ids, _I32, (t, k), "topk_ids"),
         topk_logprobs=unpack(m.topk_logprobs, _F32, (t, k), "topk_logprobs"),
-        policy_version=m.policy_version, record=record,
+        policy_version=m.policy_version,
+        record=record,
     )

@@ -26,14 +26,23 @@ def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
     sources = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / "maskroll" / "v1").glob("*.proto"))
     with tempfile.TemporaryDirectory() as tmp:
         include = str(pathlib.Path(protoc.__file__).parent / "_proto")
-        args = ["protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}", *sources]
+        args = [
+            "protoc",
+            f"-I{PROTO_ROOT}",
+            f"-I{include}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            *sources,
+        ]
         if protoc.main(args) != 0:
             raise SystemExit("protoc failed")
         out_dir.mkdir(parents=True, exist_ok=True)
         written = []
         for src in sorted((pathlib.Path(tmp) / "maskroll" / "v1").iterdir()):
-            text = re.sub(r"^from maskroll\.v1 import (\w+)", r"from . import \1", src.read_text(), flags=re.M)
+            text = re.sub(
+                r"^from maskroll\.v1 import (\w+)", r"from . import \1", src.read_text(), flags=re.M
+            )
             dst = out_dir / src.name
             dst.write_text(HEADER + text)
             written.append(dst)

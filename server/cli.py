@@ -28,7 +28,10 @@ def _load(target: str) -> Callable[[list[str]], int]:
 def _usage() -> str:
     width = max(len(name) for name in SUBCOMMANDS)
     rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (help_, _) in SUBCOMMANDS.items())
-    return f"usage: maskroll <command> [options]\n\ncommands:\n{rows}\n\n`maskroll <command> --help` for options."
+    return (
+        f"usage: maskroll <command> [options]\n\ncommands:\n{rows}\n\n"
+        "`maskroll <command> --help` for options."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

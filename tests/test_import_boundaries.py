@@ -20,7 +20,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 FORBIDDEN = {
     "maskroll.client": ["torch", "vllm", "transformers"],
     "maskroll.trainer_adapter": ["grpc", "redis", "vllm", "transformers", "google.protobuf"],
-    "maskroll.server": ["vllm", "torch", "grpc", "redis"],  # the package itself is light; modules import lazily
+    "maskroll.server": [
+        "vllm",
+        "torch",
+        "grpc",
+        "redis",
+    ],  # the package itself is light; modules import lazily
 }
 
 

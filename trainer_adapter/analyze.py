@@ -57,14 +57,30 @@ def _states(cfg: AnalyzeConfig, n: int, gen: torch.Generator) -> dict[str, torch
     a = torch.multinomial(mu, 1, generator=gen).squeeze(-1)  # [n]: a ~ μ
     topk_lp, topk_ids = mu_lp.topk(cfg.k, dim=-1)
     adv = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).to(f64)
-    return {"z": z, "mu_lp": mu_lp, "mu": mu, "a": a, "topk_ids": topk_ids, "topk_lp": topk_lp, "adv": adv,
-            "mu_a": mu_lp.gather(-1, a.unsqueeze(-1)).squeeze(-1)}
+    return {
+        "z": z,
+        "mu_lp": mu_lp,
+        "mu": mu,
+        "a": a,
+        "topk_ids": topk_ids,
+        "topk_lp": topk_lp,
+        "adv": adv,
+        "mu_a": mu_lp.gather(-1, a.unsqueeze(-1)).squeeze(-1),
+    }
 
 
 def _support(cfg: AnalyzeConfig, st: dict[str, torch.Tensor], pi_lp: torch.Tensor, sum_sq: torch.Tensor):
     """The record's view of (μ, π): what compute_masks sees, built from the same divergences module."""
-    s = dv.build_support(pi_lp.gather(-1, st["topk_ids"]), pi_lp.gather(-1, st["a"].unsqueeze(-1)).squeeze(-1),
-                         st["topk_ids"], st["topk_lp"], st["a"], st["mu_a"], sum_sq, cfg.vocab)
+    s = dv.build_support(
+        pi_lp.gather(-1, st["topk_ids"]),
+        pi_lp.gather(-1, st["a"].unsqueeze(-1)).squeeze(-1),
+        st["topk_ids"],
+        st["topk_lp"],
+        st["a"],
+        st["mu_a"],
+        sum_sq,
+        cfg.vocab,
+    )
     return s, dv.buckets(s)
 
 
@@ -83,8 +99,10 @@ def _chunk_rules(cfg: AnalyzeConfig, st: dict[str, torch.Tensor]) -> dict[str, t
         "ratio": pi_a - st["mu_a"].exp(),
         # full_kl_direction without its [n, V] temporaries: (π_a − μ_a) − (Σ π² − Σ π μ)
         "exact": pi_a - st["mu_a"].exp() - (sum_sq - torch.linalg.vecdot(pi, mu)),
-        **{est: dv.topk_kl_direction(b, dv.tail_concentration(b, est))
-           for est in ("aggregated", "uniform", "proportional")},
+        **{
+            est: dv.topk_kl_direction(b, dv.tail_concentration(b, est))
+            for est in ("aggregated", "uniform", "proportional")
+        },
     }
     d_full = mu_self - torch.linalg.vecdot(mu, pi_lp)
     # The step z' = z + τ·sign(A)·(e_a − π), in place on z (not needed afterwards).
@@ -115,15 +133,25 @@ def run(cfg: AnalyzeConfig, progress: bool = False) -> dict:
             parts.setdefault(key, []).append(val)
         if progress:
             done = start + n
-            print(f"\ranalyze: {done}/{cfg.states} states, {time.perf_counter() - t0:.1f} s", end="",
-                  file=sys.stderr, flush=True)
+            print(
+                f"\ranalyze: {done}/{cfg.states} states, {time.perf_counter() - t0:.1f} s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
     if progress:
         print(file=sys.stderr)
     c = {k: torch.cat(v) for k, v in parts.items()}
     directions = {r: c[r] for r in RULES}
     scores = {
-        target: direction_agreement(c["adv"], c[f"d_{target}"], c[f"d_{target}_after"], directions, c["far"],
-                                    pair=("ratio", "proportional"))
+        target: direction_agreement(
+            c["adv"],
+            c[f"d_{target}"],
+            c[f"d_{target}_after"],
+            directions,
+            c["far"],
+            pair=("ratio", "proportional"),
+        )
         for target in ("topk", "full")
     }
     sets = scores["topk"].pop("_sets")
@@ -155,19 +183,32 @@ def format_report(out: dict) -> str:
         f"ratio≠proportional on far: {st['disagreement_frac_far']:.3f}   "
         f"mean topk_kl {st['mean_topk_kl']:.4f}, full KL {st['mean_full_kl']:.4f}",
     ]
-    names = {"ratio": "ratio rule (DPPO)", "exact": "exact full P", "aggregated": "top-K aggregated",
-             "uniform": "top-K uniform", "proportional": "top-K proportional"}
-    titles = {"topk": "realised ΔD of topk_kl (the divergence the mask uses)",
-              "full": "realised ΔD of the full KL(μ‖π) (needs the full μ)"}
+    names = {
+        "ratio": "ratio rule (DPPO)",
+        "exact": "exact full P",
+        "aggregated": "top-K aggregated",
+        "uniform": "top-K uniform",
+        "proportional": "top-K proportional",
+    }
+    titles = {
+        "topk": "realised ΔD of topk_kl (the divergence the mask uses)",
+        "full": "realised ΔD of the full KL(μ‖π) (needs the full μ)",
+    }
     for target in ("topk", "full"):
-        lines += ["", f"sign agreement with the {titles[target]}:",
-                  f"  {'rule':<20} {'all':>7} {'far':>7} {'disagr':>7} {'unsafe':>7} {'wrong':>7} {'masked':>7}"]
+        lines += [
+            "",
+            f"sign agreement with the {titles[target]}:",
+            f"  {'rule':<20} {'all':>7} {'far':>7} {'disagr':>7} {'unsafe':>7} {'wrong':>7} {'masked':>7}",
+        ]
         for rule in RULES:
             s = out["scores"][target][rule]
             lines.append(f"  {names[rule]:<20} " + " ".join(_fmt(s[m]) for m in METRICS))
-    lines += ["", "  all/far/disagr: agreement on all tokens, far tokens, far tokens where ratio and proportional",
-              "  disagree; unsafe: P(ΔD>0 | kept, far); wrong: P(ΔD<0 | masked); masked: mask fraction.",
-              f"  ({out['seconds']:.1f} s)"]
+    lines += [
+        "",
+        "  all/far/disagr: agreement on all tokens, far tokens, far tokens where ratio and proportional",
+        "  disagree; unsafe: P(ΔD>0 | kept, far); wrong: P(ΔD<0 | masked); masked: mask fraction.",
+        f"  ({out['seconds']:.1f} s)",
+    ]
     return "\n".join(lines)
 
 
@@ -184,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.states < 1 or args.vocab < args.k + 2 or args.k < 1 or args.delta < 0:
         p.error("need states >= 1, k >= 1, vocab >= k + 2, delta >= 0")
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    out = run(AnalyzeConfig(states=args.states, vocab=args.vocab, k=args.k, delta=args.delta, seed=args.seed),
-              progress=not args.json)
+    out = run(
+        AnalyzeConfig(states=args.states, vocab=args.vocab, k=args.k, delta=args.delta, seed=args.seed),
+        progress=not args.json,
+    )
     print(json.dumps(out, indent=2) if args.json else format_report(out))
     return 0

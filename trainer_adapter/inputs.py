@@ -14,15 +14,21 @@ Tensor = torch.Tensor
 def per_token(value: float | Tensor, lead: torch.Size, name: str, dtype: torch.dtype | None = None) -> Tensor:
     """Broadcast a scalar, a per-sequence [B] or a per-token [*lead] value to a flat [N] tensor."""
     # A Python float goes straight to `dtype`: via a float32 tensor 0.7 would become 0.699999988.
-    t = value.to(dtype) if isinstance(value, Tensor) and dtype is not None else torch.as_tensor(value, dtype=dtype)
+    t = (
+        value.to(dtype)
+        if isinstance(value, Tensor) and dtype is not None
+        else torch.as_tensor(value, dtype=dtype)
+    )
     if t.dim() == 0:
         return t.expand(lead.numel())
     if tuple(t.shape) == tuple(lead):
         return t.reshape(-1)
     if len(lead) == 2 and tuple(t.shape) == (lead[0],):
         return t.unsqueeze(1).expand(lead).reshape(-1)
-    raise ValueError(f"{name} has shape {tuple(t.shape)}; expected a scalar, {tuple(lead)}" +
-                     (f" or ({lead[0]},)" if len(lead) == 2 else ""))
+    raise ValueError(
+        f"{name} has shape {tuple(t.shape)}; expected a scalar, {tuple(lead)}"
+        + (f" or ({lead[0]},)" if len(lead) == 2 else "")
+    )
 
 
 def check_shape(t: Tensor, expected: tuple[int, ...], name: str) -> None:

@@ -12,7 +12,14 @@ from __future__ import annotations
 import torch
 
 from .inputs import check_shape, per_token
-from .processed import VocabStats, Workspace, compute_dtype, processed_chunk, softmax_stats, validate_truncation
+from .processed import (
+    VocabStats,
+    Workspace,
+    compute_dtype,
+    processed_chunk,
+    softmax_stats,
+    validate_truncation,
+)
 
 Tensor = torch.Tensor
 
@@ -80,7 +87,9 @@ def token_logprobs(
     n = lead.numel()
     temp = per_token(temperature, lead, "temperature", torch.float64).to(logits.device).contiguous()
     flat_ids = ids.reshape(n).long().clamp(0, vocab - 1)
-    out, lse, sum_sq = _TokenLogprobs.apply(logits.reshape(n, vocab), flat_ids, temp, top_k, top_p, chunk_tokens)
+    out, lse, sum_sq = _TokenLogprobs.apply(
+        logits.reshape(n, vocab), flat_ids, temp, top_k, top_p, chunk_tokens
+    )
     out = out.reshape(lead)
     if return_stats:
         return out, VocabStats(lse=lse, sum_sq=sum_sq, temperature=temp, top_k=top_k, top_p=top_p)

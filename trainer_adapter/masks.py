@@ -14,7 +14,14 @@ import torch
 from . import divergences as dv
 from .config import MaskConfig
 from .inputs import check_ids, check_shape, per_token, response_mask_flat
-from .processed import VocabStats, Workspace, processed_chunk, softmax_stats, truncation_active, validate_truncation
+from .processed import (
+    VocabStats,
+    Workspace,
+    processed_chunk,
+    softmax_stats,
+    truncation_active,
+    validate_truncation,
+)
 
 Tensor = torch.Tensor
 
@@ -73,7 +80,8 @@ def compute_masks(
     top_k: int | None = None,
     top_p: float | None = None,
     response_mask: Tensor | None = None,  # bool [N] or [B, T]
-    vocab_stats: VocabStats | None = None,  # from token_logprobs(..., return_stats=True): skips the vocab pass
+    vocab_stats: VocabStats
+    | None = None,  # from token_logprobs(..., return_stats=True): skips the vocab pass
 ) -> MaskResult:
     """Trust-region masks of `config.method` (MATH.md §3) for every response token.
 
@@ -136,8 +144,14 @@ def compute_masks(
                 lse, sum_sq = softmax_stats(x, out=pi)
             logpi_a = x_a - lse
             support = dv.build_support(
-                x_top - lse.unsqueeze(-1), logpi_a, top[rows], mu_top_log[rows], ids[rows], mu_a_log[rows],
-                sum_sq, vocab,
+                x_top - lse.unsqueeze(-1),
+                logpi_a,
+                top[rows],
+                mu_top_log[rows],
+                ids[rows],
+                mu_a_log[rows],
+                sum_sq,
+                vocab,
             )
             b = dv.buckets(support)
             d, p_hat = token_fn(b, support, logpi_a, mu_a_log[rows], sum_sq)
@@ -153,13 +167,13 @@ def compute_masks(
             far = torch.where(adv < 0, r < 1.0 - config.eps_low, r > 1.0 + config.eps_high)
             direction = r - 1.0
         else:
-            far = torch.where(adv < 0, out["divergence"] > config.delta_low, out["divergence"] > config.delta_high)
+            far = torch.where(
+                adv < 0, out["divergence"] > config.delta_low, out["divergence"] > config.delta_high
+            )
             direction = out["predicted"] if config.method == "predictive" else ratio_dir
         far = far & valid
-        if config.method == "none":
-            keep = valid.clone()
-        else:
-            keep = valid & ~(far & (adv * direction > 0))
+        away = adv * direction > 0
+        keep = valid.clone() if config.method == "none" else valid & ~(far & away)
 
     zero = torch.zeros((), dtype=dtype, device=device)
     res = MaskResult(
@@ -175,8 +189,6 @@ def compute_masks(
         response_mask=valid,
     )
     return res.map(lambda t: t.reshape(lead))
-
-
 
 
 def _usable_stats(

@@ -49,7 +49,9 @@ def full_rkl_direction(mu_logprobs: Tensor, pi_logprobs: Tensor, sampled_ids: Te
     pi = pi_logprobs.exp()
     d = full_rkl(mu_logprobs, pi_logprobs).unsqueeze(-1)  # [N, 1]
     log_r = torch.where(pi > 0, pi_logprobs - mu_logprobs, 0.0)  # [N, V]
-    return _at(pi, sampled_ids) * (_at(log_r, sampled_ids) - d.squeeze(-1)) - (pi.square() * (log_r - d)).sum(-1)
+    return _at(pi, sampled_ids) * (_at(log_r, sampled_ids) - d.squeeze(-1)) - (pi.square() * (log_r - d)).sum(
+        -1
+    )
 
 
 def full_tv_direction(mu_logprobs: Tensor, pi_logprobs: Tensor, sampled_ids: Tensor) -> Tensor:  # -> [N]
@@ -57,7 +59,9 @@ def full_tv_direction(mu_logprobs: Tensor, pi_logprobs: Tensor, sampled_ids: Ten
     pi, mu = pi_logprobs.exp(), mu_logprobs.exp()
     s = torch.sign(pi - mu)
     s_bar = (pi * s).sum(-1, keepdim=True)  # [N, 1]
-    return 0.5 * (_at(pi, sampled_ids) * (_at(s, sampled_ids) - s_bar.squeeze(-1)) - (pi.square() * (s - s_bar)).sum(-1))
+    return 0.5 * (
+        _at(pi, sampled_ids) * (_at(s, sampled_ids) - s_bar.squeeze(-1)) - (pi.square() * (s - s_bar)).sum(-1)
+    )
 
 
 def _rate(hit: Tensor, where: Tensor) -> float:
@@ -83,7 +87,9 @@ def direction_agreement(
     """
     a = advantages.reshape(-1)
     delta = (d_after - d_before).reshape(-1)
-    valid = torch.ones_like(a, dtype=torch.bool) if response_mask is None else response_mask.reshape(-1).bool()
+    valid = (
+        torch.ones_like(a, dtype=torch.bool) if response_mask is None else response_mask.reshape(-1).bool()
+    )
     far = far.reshape(-1).bool() & valid
     scored = valid & (a != 0)
     away = {name: (a * d.reshape(-1).to(a.dtype) > 0) for name, d in directions.items()}
