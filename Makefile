@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= trainer,dev
 
-.PHONY: venv test lint analyze bench clean
+.PHONY: venv test lint analyze bench clean proto
 
 venv: $(VENV)/.installed
 
@@ -32,3 +32,7 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+
+# Regenerate client/_proto from proto/maskroll/v1/*.proto (tests/test_wire.py fails when it is stale).
+proto: venv
+	$(PY) proto/generate.py

@@ -1,0 +1,145 @@
+"""The wire contract: generated code is fresh, records round-trip bit-exactly, bad bytes are refused."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+from maskroll.client import wire
+from maskroll.client.records import RecordAssembler, RolloutChunk, RolloutRecord, SamplingOptions, Semantics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_generated_code_is_not_stale(tmp_path: pathlib.Path) -> None:
+    sys.path.insert(0, str(ROOT / "proto"))
+    try:
+        import generate
+    finally:
+        sys.path.pop(0)
+    fresh = {p.name: p.read_bytes() for p in generate.generate(tmp_path / "out")}
+    committed = {p.name: p.read_bytes() for p in (ROOT / "client" / "_proto").iterdir() if p.is_file()}
+    assert set(fresh) == set(committed), "run `make proto`: the generated file set differs"
+    stale = sorted(name for name in fresh if fresh[name] != committed[name])
+    assert not stale, f"run `make proto`: {stale} differ from proto/maskroll/v1/*.proto"
+
+
+def _record(t: int = 5, k: int = 3, seed: int = 0) -> RolloutRecord:
+    rng = np.random.default_rng(seed)
+    return RolloutRecord(
+        rollout_id="rid",
+        request_id="req",
+        prompt_ids=rng.integers(0, 250, 7).astype(np.int32),
+        completion_ids=rng.integers(0, 250, t).astype(np.int32),
+        sampled_logprobs=-rng.random(t).astype(np.float32),
+        sampled_ranks=rng.integers(1, 9, t).astype(np.int32),
+        topk_ids=rng.integers(0, 250, (t, k)).astype(np.int32),
+        topk_logprobs=-np.sort(rng.random((t, k)).astype(np.float32), axis=1),
+        finish_reason="length",
+        semantics=Semantics(temperature=0.7, top_p=0.9, top_k=40, logprobs_k=k, engine="torch", model="m"),
+        policy_version_first=3,
+        policy_version_last=4,
+        version_changes=[(2, 4)],
+        job_id="job",
+        group_id="g",
+        sample_index=1,
+        metadata={"task": "digits"},
+        replica_id="r1",
+        created_at=12.5,
+    )
+
+
+def _assert_same(a: RolloutRecord, b: RolloutRecord) -> None:
+    for name, value in a.__dict__.items():
+        other = getattr(b, name)
+        if isinstance(value, np.ndarray):
+            assert value.dtype == other.dtype and np.array_equal(value, other), name
+        else:
+            assert value == other, name
+
+
+def test_record_round_trip_is_exact() -> None:
+    rec = _record()
+    data = wire.encode_record(rec)
+    _assert_same(rec, wire.decode_record(data))
+    # packed little-endian arrays: [T, K] float32 costs T*K*4 bytes, not text
+    assert len(data) < 7 * 4 + 5 * (4 + 4 + 4) + 5 * 3 * 8 + 200
+    assert np.array_equal(_record().token_versions(), [3, 3, 4, 4, 4])
+
+
+@pytest.mark.parametrize("cut", [1, 9, 40])
+def test_truncated_bytes_are_refused(cut: int) -> None:
+    data = wire.encode_record(_record())
+    with pytest.raises(wire.WireError):
+        wire.decode_record(data[:-cut])
+
+
+def test_foreign_and_inconsistent_payloads_are_refused() -> None:
+    with pytest.raises(wire.WireError):
+        wire.decode_record(b"not a protobuf \xff\xfe")
+    msg = wire.record_to_pb(_record())
+    msg.num_tokens = 6  # arrays hold 5 tokens
+    with pytest.raises(wire.WireError, match="completion_token_ids"):
+        wire.decode_record(msg.SerializeToString())
+    msg = wire.record_to_pb(_record())
+    msg.semantics.logprobs_mode = "raw"
+    with pytest.raises(wire.WireError, match="processed"):
+        wire.decode_record(msg.SerializeToString())
+    msg = wire.record_to_pb(_record())
+    msg.schema_version = 99
+    with pytest.raises(wire.WireError, match="schema_version"):
+        wire.decode_record(msg.SerializeToString())
+
+
+def test_chunks_reassemble_to_the_record() -> None:
+    rec = _record(t=6)
+    asm = RecordAssembler()
+    bounds = [(0, 2), (2, 3), (3, 6)]
+    out = None
+    for i, (lo, hi) in enumerate(bounds):
+        chunk = RolloutChunk(
+            request_id=rec.request_id,
+            sample_index=rec.sample_index,
+            start_index=lo,
+            token_ids=rec.completion_ids[lo:hi],
+            sampled_logprobs=rec.sampled_logprobs[lo:hi],
+            sampled_ranks=rec.sampled_ranks[lo:hi],
+            topk_ids=rec.topk_ids[lo:hi],
+            topk_logprobs=rec.topk_logprobs[lo:hi],
+            policy_version=3,
+            record=rec if i == len(bounds) - 1 else None,
+        )
+        out = asm.add(wire.chunk_from_pb(wire.chunk_to_pb(chunk)))
+    assert out is not None
+    _assert_same(rec, out)
+
+
+def test_chunk_gap_is_detected() -> None:
+    rec = _record(t=4)
+    asm = RecordAssembler()
+    chunk = RolloutChunk(
+        "req",
+        0,
+        1,
+        rec.completion_ids[:1],
+        rec.sampled_logprobs[:1],
+        rec.sampled_ranks[:1],
+        rec.topk_ids[:1],
+        rec.topk_logprobs[:1],
+        0,
+    )
+    with pytest.raises(ValueError, match="expected 0"):
+        asm.add(chunk)
+
+
+def test_sampling_options_round_trip_and_defaults() -> None:
+    o = SamplingOptions(
+        max_tokens=9, temperature=0.5, top_p=0.8, top_k=7, logprobs_k=4, n=3, seed=11, stop_token_ids=(1, 2)
+    )
+    assert wire.options_from_pb(wire.options_to_pb(o)) == o
+    empty = wire.options_from_pb(wire.pb.SamplingOptions(max_tokens=4))
+    assert (empty.temperature, empty.top_p, empty.top_k, empty.n, empty.seed) == (1.0, 1.0, 0, 1, None)
+    assert SamplingOptions(temperature=0.0).problems() and not o.problems()
