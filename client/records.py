@@ -117,6 +117,7 @@ class RolloutRecord:
     metadata: dict[str, str] = field(default_factory=dict)
     replica_id: str = ""
     created_at: float = 0.0
+    group_size: int = 1  # samples of this job (n)
     schema_version: int = SCHEMA_VERSION
 
     @property

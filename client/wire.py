@@ -136,6 +136,7 @@ def record_to_pb(r: RolloutRecord, *, arrays: bool = True) -> pb.RolloutRecord:
         version_changes=[pb.VersionChange(token_index=i, version=v) for i, v in r.version_changes],
         replica_id=r.replica_id,
         created_at=r.created_at,
+        group_size=r.group_size,
     )
     if arrays:
         msg.completion_token_ids = pack(r.completion_ids, _I32)
@@ -179,6 +180,7 @@ def record_from_pb(m: pb.RolloutRecord, *, arrays: bool = True) -> RolloutRecord
         metadata=dict(m.metadata),
         replica_id=m.replica_id,
         created_at=m.created_at,
+        group_size=m.group_size or 1,
         schema_version=m.schema_version,
     )
     return rec

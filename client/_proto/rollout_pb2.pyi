@@ -93,7 +93,7 @@ class VersionChange(_message.Message):
     def __init__(self, token_index: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class RolloutRecord(_message.Message):
-    __slots__ = ("schema_version", "rollout_id", "request_id", "job_id", "group_id", "sample_index", "metadata", "prompt_token_ids", "completion_token_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs", "num_tokens", "finish_reason", "semantics", "policy_version_first", "policy_version_last", "version_changes", "replica_id", "created_at")
+    __slots__ = ("schema_version", "rollout_id", "request_id", "job_id", "group_id", "sample_index", "metadata", "prompt_token_ids", "completion_token_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs", "num_tokens", "finish_reason", "semantics", "policy_version_first", "policy_version_last", "version_changes", "replica_id", "created_at", "group_size")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class RolloutRecord(_message.Message):
     VERSION_CHANGES_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     rollout_id: str
     request_id: str
@@ -143,7 +144,8 @@ class RolloutRecord(_message.Message):
     version_changes: _containers.RepeatedCompositeFieldContainer[VersionChange]
     replica_id: str
     created_at: float
-    def __init__(self, schema_version: _Optional[int] = ..., rollout_id: _Optional[str] = ..., request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_token_ids: _Optional[bytes] = ..., completion_token_ids: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., sampled_ranks: _Optional[bytes] = ..., topk_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., semantics: _Optional[_Union[Semantics, _Mapping]] = ..., policy_version_first: _Optional[int] = ..., policy_version_last: _Optional[int] = ..., version_changes: _Optional[_Iterable[_Union[VersionChange, _Mapping]]] = ..., replica_id: _Optional[str] = ..., created_at: _Optional[float] = ...) -> None: ...
+    group_size: int
+    def __init__(self, schema_version: _Optional[int] = ..., rollout_id: _Optional[str] = ..., request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_token_ids: _Optional[bytes] = ..., completion_token_ids: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., sampled_ranks: _Optional[bytes] = ..., topk_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., semantics: _Optional[_Union[Semantics, _Mapping]] = ..., policy_version_first: _Optional[int] = ..., policy_version_last: _Optional[int] = ..., version_changes: _Optional[_Iterable[_Union[VersionChange, _Mapping]]] = ..., replica_id: _Optional[str] = ..., created_at: _Optional[float] = ..., group_size: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("request_id", "sample_index", "start_index", "token_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs", "logprobs_k", "policy_version", "record")

