@@ -5,6 +5,7 @@ policy π, PPO / DPPO / predictive masks, the truncated-IS loss, diagnostics and
 and numpy only: nothing here knows about gRPC, Redis or the engines.
 """
 
+from .collate import Batch, SemanticsError, collate, group_advantages
 from .config import MaskConfig
 from .logprobs import token_logprobs
 from .loss import policy_loss
@@ -21,9 +22,12 @@ from .reference import (
 )
 
 __all__ = [
+    "Batch",
     "MaskConfig",
     "MaskResult",
+    "SemanticsError",
     "VocabStats",
+    "collate",
     "compute_masks",
     "direction_agreement",
     "full_kl",
@@ -32,6 +36,7 @@ __all__ = [
     "full_rkl_direction",
     "full_tv",
     "full_tv_direction",
+    "group_advantages",
     "policy_loss",
     "processed_logprobs",
     "token_logprobs",

@@ -1,0 +1,166 @@
+"""collate: a batch of rollout records → padded tensors for compute_masks / policy_loss (MATH.md §6).
+
+Records are duck-typed (the numpy `RolloutRecord` of maskroll.client has the fields used here), so this
+module needs neither grpc nor redis. It also enforces the sampling semantics a trainer must match:
+processed logprobs, one K per batch, and no truncated records unless the trainer replays truncation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+Tensor = torch.Tensor
+
+
+class SemanticsError(ValueError):
+    """The records cannot be trained on as they are (MATH.md §6)."""
+
+
+@dataclass
+class Batch:
+    """Padded tensors. Completion token t of sequence b is predicted by the logits at position
+    prompt_len − 1 + t of input_ids (prompts are left-padded to a common prompt_len)."""
+
+    input_ids: Tensor  # [B, P + T] long: left-padded prompt, right-padded completion
+    attention_mask: Tensor  # [B, P + T] long
+    position_ids: Tensor  # [B, P + T] long, 0 at each sequence's first real token
+    completion_ids: Tensor  # [B, T] long
+    response_mask: Tensor  # [B, T] bool
+    sampled_logprobs: Tensor  # [B, T] float32, log μ_a
+    topk_ids: Tensor  # [B, T, K] long
+    topk_logprobs: Tensor  # [B, T, K] float32
+    rewards: Tensor  # [B] float32
+    advantages: Tensor  # [B] float32, group-normalised
+    temperature: Tensor  # [B] float64, per sequence
+    top_k: int | None  # the batch's truncation (None: off)
+    top_p: float | None
+    policy_versions: Tensor  # [B] long, version at each record's first token
+    prompt_len: int  # P
+
+    @property
+    def completion_logits_slice(self) -> slice:
+        """logits[:, slice] are the [B, T, V] logits that predict completion_ids."""
+        t = self.completion_ids.shape[1]
+        return slice(self.prompt_len - 1, self.prompt_len - 1 + t)
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in self.__dict__.items()})
+
+
+def group_advantages(
+    rewards: np.ndarray,  # [B]
+    groups: Sequence[str],  # [B] group key per record
+    *,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> np.ndarray:  # [B] float32
+    """GRPO: A = (r − mean_group) / (std_group + eps), std unbiased; a group of one gets A = 0.
+    normalize_std=False gives Dr. GRPO's r − mean_group."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    out = np.zeros_like(rewards)
+    keys = np.asarray(groups, dtype=object)
+    for g in dict.fromkeys(keys):
+        idx = np.flatnonzero(keys == g)
+        r = rewards[idx]
+        centred = r - r.mean()
+        if normalize_std and len(idx) > 1:
+            centred = centred / (r.std(ddof=1) + eps)
+        out[idx] = centred if len(idx) > 1 else 0.0
+    return out.astype(np.float32)
+
+
+def _truncation(rec: Any) -> tuple[int | None, float | None]:
+    s = rec.semantics
+    top_k = int(s.top_k) if s.top_k and s.top_k > 0 else None
+    top_p = float(s.top_p) if s.top_p and s.top_p < 1.0 else None
+    return top_k, top_p
+
+
+def check_semantics(
+    records: Sequence[Any], *, allow_truncation: bool = False
+) -> tuple[int | None, float | None]:
+    """Refuse records a trainer would misread; return the batch's (top_k, top_p)."""
+    if not records:
+        raise SemanticsError("empty batch")
+    modes = {r.semantics.logprobs_mode for r in records}
+    if modes != {"processed"}:
+        raise SemanticsError(
+            f"logprobs_mode {sorted(modes)}: only 'processed' logprobs describe μ (MATH.md §6)"
+        )
+    ks = {int(r.topk_ids.shape[1]) for r in records}
+    if len(ks) != 1:
+        raise SemanticsError(f"records carry different K {sorted(ks)}; collate one K per batch")
+    temps = [float(r.semantics.temperature) for r in records]
+    if not all(np.isfinite(t) and t > 0 for t in temps):
+        raise SemanticsError(f"temperature must be > 0, got {sorted(set(temps))}")
+    truncs = {_truncation(r) for r in records}
+    if len(truncs) != 1:
+        raise SemanticsError(f"records mix truncation settings (top_k, top_p) {sorted(truncs, key=str)}")
+    trunc = truncs.pop()
+    if trunc != (None, None) and not allow_truncation:
+        raise SemanticsError(
+            f"records were sampled with truncation (top_k, top_p) = {trunc}: μ is renormalised over the kept "
+            "set. Collate with allow_truncation=True and mask with MaskConfig(replay_truncation=True)."
+        )
+    return trunc
+
+
+def collate(
+    records: Sequence[Any],
+    rewards: Sequence[float] | np.ndarray,
+    *,
+    pad_id: int = 0,
+    normalize_std: bool = True,
+    allow_truncation: bool = False,
+) -> Batch:
+    """Pad a batch of records and attach group-normalised advantages (group = group_id, else job_id)."""
+    top_k, top_p = check_semantics(records, allow_truncation=allow_truncation)
+    b = len(records)
+    rewards = np.asarray(rewards, dtype=np.float64)
+    if rewards.shape != (b,):
+        raise ValueError(f"rewards has shape {rewards.shape}; expected ({b},), one per record")
+    k = int(records[0].topk_ids.shape[1])
+    p_max = max(len(r.prompt_ids) for r in records)
+    t_max = max(1, max(len(r.completion_ids) for r in records))
+    input_ids = np.full((b, p_max + t_max), pad_id, np.int64)
+    attention = np.zeros((b, p_max + t_max), np.int64)
+    completion = np.full((b, t_max), pad_id, np.int64)
+    mask = np.zeros((b, t_max), bool)
+    sampled = np.zeros((b, t_max), np.float32)
+    topk_ids = np.zeros((b, t_max, k), np.int64)
+    topk_lp = np.zeros((b, t_max, k), np.float32)
+    for i, r in enumerate(records):
+        p, t = len(r.prompt_ids), len(r.completion_ids)
+        input_ids[i, p_max - p : p_max] = r.prompt_ids
+        input_ids[i, p_max : p_max + t] = r.completion_ids
+        attention[i, p_max - p : p_max + t] = 1
+        completion[i, :t] = r.completion_ids
+        mask[i, :t] = True
+        sampled[i, :t] = r.sampled_logprobs
+        topk_ids[i, :t] = r.topk_ids
+        topk_lp[i, :t] = r.topk_logprobs
+    positions = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
+    groups = [r.group_id or r.job_id or r.rollout_id for r in records]
+    adv = group_advantages(rewards, groups, normalize_std=normalize_std)
+    return Batch(
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention),
+        position_ids=torch.from_numpy(positions),
+        completion_ids=torch.from_numpy(completion),
+        response_mask=torch.from_numpy(mask),
+        sampled_logprobs=torch.from_numpy(sampled),
+        topk_ids=torch.from_numpy(topk_ids),
+        topk_logprobs=torch.from_numpy(topk_lp),
+        rewards=torch.from_numpy(rewards.astype(np.float32)),
+        advantages=torch.from_numpy(adv),
+        temperature=torch.tensor([float(r.semantics.temperature) for r in records], dtype=torch.float64),
+        top_k=top_k,
+        top_p=top_p,
+        policy_versions=torch.tensor([int(r.policy_version_first) for r in records], dtype=torch.int64),
+        prompt_len=p_max,
+    )
