@@ -32,9 +32,8 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import wire
-from ._proto import rollout_pb2 as pb
 from ._sync import LoopThread
-from .records import SCHEMA_VERSION, RolloutRecord, SamplingOptions
+from .records import PromptJob, RolloutRecord, SamplingOptions
 from .streams import F_JOB, F_JOB_ERROR, F_REASON, F_RECORD, REPLICA_GROUP, TRAINER_GROUP, StreamKeys
 
 log = logging.getLogger("maskroll.queue")
@@ -224,24 +223,22 @@ class AsyncRolloutQueue:
             )
         await self._wait_for_room(options.n, timeout)
         await self._groups_exist()
-        job_id = job_id or uuid.uuid4().hex
-        job = pb.PromptJob(
-            job_id=job_id,
-            prompt_token_ids=wire.pack(prompt, np.dtype("<i4")),
-            options=wire.options_to_pb(options),
-            group_id=group_id or job_id,
+        job = PromptJob(
+            job_id=job_id or uuid.uuid4().hex,
+            prompt_ids=prompt,
+            options=options,
+            group_id=group_id or "",
             metadata=metadata or {},
             submitted_at=time.time(),
             rollout_stream=rollout_stream,
-            schema_version=SCHEMA_VERSION,
         )
         # No MAXLEN on the prompt stream: unconsumed jobs must never be trimmed; admission bounds it.
-        await self._call(self._r.xadd(self.keys.prompts, {F_JOB: job.SerializeToString()}))
-        self._jobs[job_id] = options.n
+        await self._call(self._r.xadd(self.keys.prompts, {F_JOB: wire.job_to_pb(job).SerializeToString()}))
+        self._jobs[job.job_id] = options.n
         self._in_flight += options.n
         self.stats.submitted_jobs += 1
         self.stats.submitted_rollouts += options.n
-        return job_id
+        return job.job_id
 
     async def _wait_for_room(self, n: int, timeout: float | None) -> None:
         limit = self.max_in_flight
@@ -426,10 +423,9 @@ class AsyncRolloutQueue:
         self.stats.dead_lettered += 1
 
     async def _job_failed(self, entry_id: bytes, fields: dict) -> None:
-        job = pb.PromptJob()
         try:
-            job.ParseFromString(fields[F_JOB_ERROR])
-        except Exception:
+            job = wire.decode_job(fields[F_JOB_ERROR])
+        except wire.WireError:  # a broken failure notice is itself dead-lettered
             await self._dead_letter(entry_id, fields, "undecodable job_error")
             return
         reason = fields.get(F_REASON, b"").decode(errors="replace")

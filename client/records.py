@@ -57,6 +57,19 @@ class SamplingOptions:
 
 
 @dataclass(frozen=True)
+class PromptJob:
+    """One prompt on the prompt stream: replicas generate `options.n` samples and publish their records."""
+
+    job_id: str
+    prompt_ids: np.ndarray  # int32 [P]
+    options: SamplingOptions
+    group_id: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    submitted_at: float = 0.0
+    rollout_stream: str = ""  # empty: the replica's configured stream
+
+
+@dataclass(frozen=True)
 class Semantics:
     """How to read the logprobs (MATH.md §6): the trainer refuses records whose semantics don't match."""
 

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from ._proto import rollout_pb2 as pb
-from .records import SCHEMA_VERSION, RolloutChunk, RolloutRecord, SamplingOptions, Semantics
+from .records import SCHEMA_VERSION, PromptJob, RolloutChunk, RolloutRecord, SamplingOptions, Semantics
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -96,6 +96,44 @@ def prompt_from_pb(m: pb.GenerateRequest) -> np.ndarray:
     if len(m.prompt_token_ids) % 4:
         raise WireError(f"prompt_token_ids: {len(m.prompt_token_ids)} bytes is not a whole number of int32")
     return unpack(m.prompt_token_ids, _I32, (len(m.prompt_token_ids) // 4,), "prompt_token_ids")
+
+
+# ---- prompt jobs ----------------------------------------------------------------------------------
+
+
+def job_to_pb(j: PromptJob) -> pb.PromptJob:
+    return pb.PromptJob(
+        job_id=j.job_id,
+        prompt_token_ids=pack(j.prompt_ids, _I32),
+        options=options_to_pb(j.options),
+        group_id=j.group_id,
+        metadata=j.metadata,
+        submitted_at=j.submitted_at,
+        rollout_stream=j.rollout_stream,
+        schema_version=SCHEMA_VERSION,
+    )
+
+
+def decode_job(data: bytes) -> PromptJob:
+    m = pb.PromptJob()
+    try:
+        m.ParseFromString(data)
+    except Exception as e:
+        raise WireError(f"not a PromptJob: {e}") from e
+    if m.schema_version != SCHEMA_VERSION:
+        raise WireError(f"PromptJob schema_version {m.schema_version}; this replica reads {SCHEMA_VERSION}")
+    if not m.job_id or len(m.prompt_token_ids) % 4:
+        raise WireError("PromptJob without job_id or with a partial int32 prompt")
+    prompt = unpack(m.prompt_token_ids, _I32, (len(m.prompt_token_ids) // 4,), "prompt_token_ids")
+    return PromptJob(
+        job_id=m.job_id,
+        prompt_ids=prompt,
+        options=options_from_pb(m.options),
+        group_id=m.group_id,
+        metadata=dict(m.metadata),
+        submitted_at=m.submitted_at,
+        rollout_stream=m.rollout_stream,
+    )
 
 
 # ---- records --------------------------------------------------------------------------------------

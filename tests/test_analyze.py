@@ -66,7 +66,17 @@ def test_report_lists_every_rule(small: dict) -> None:
 
 def test_cli_json() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "maskroll.server.cli", "analyze", "--states", "256", "--vocab", "2048", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "maskroll.server.cli",
+            "analyze",
+            "--states",
+            "256",
+            "--vocab",
+            "2048",
+            "--json",
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -81,5 +91,7 @@ def test_cli_rejects_bad_arguments_and_unknown_commands() -> None:
         [sys.executable, "-m", "maskroll.server.cli", "analyze", "--k", "0"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "k >= 1" in bad.stderr
-    unknown = subprocess.run([sys.executable, "-m", "maskroll.server.cli", "nope"], capture_output=True, text=True)
+    unknown = subprocess.run(
+        [sys.executable, "-m", "maskroll.server.cli", "nope"], capture_output=True, text=True
+    )
     assert unknown.returncode == 2 and "unknown command" in unknown.stderr

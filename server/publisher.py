@@ -1,0 +1,91 @@
+"""RolloutPublisher: finished records → the Redis rollout stream, with backpressure instead of drops.
+
+The stream is bounded by `max_len` *unconsumed* entries: trainers XDEL what they ack, so XLEN is the
+backlog. When the backlog is full, or Redis answers OOM, the publisher waits (bounded) rather than
+trimming with MAXLEN, which would silently delete rollouts nobody has read. When Redis is down, the
+client's retry rule applies (maskroll.client.queue.connect); past the budget the error propagates and
+the caller keeps the job unacked, so it is redelivered — a record is never silently dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter, Histogram
+from redis.exceptions import ResponseError
+
+from maskroll.client import wire
+from maskroll.client.records import PromptJob, RolloutRecord
+from maskroll.client.streams import F_JOB_ERROR, F_REASON, F_RECORD
+
+PUBLISHED = Counter("maskroll_published_records_total", "Rollout records published to Redis")
+PUBLISH_BYTES = Counter("maskroll_published_bytes_total", "Bytes of rollout records published to Redis")
+BACKPRESSURE = Counter(
+    "maskroll_publish_backpressure_waits_total", "Waits because the rollout stream was full"
+)
+PUBLISH_FAILURES = Counter(
+    "maskroll_publish_failures_total", "Publishes that gave up (job left for redelivery)"
+)
+PUBLISH_SECONDS = Histogram("maskroll_publish_seconds", "Time to publish one job's records, waits included")
+
+
+class PublishTimeout(TimeoutError):
+    """The rollout stream stayed full (or Redis out of memory) for the whole wait budget."""
+
+
+class RolloutPublisher:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        stream: str,
+        *,
+        max_len: int = 100_000,
+        wait_timeout_s: float = 600.0,
+        poll_s: float = 0.25,
+    ) -> None:
+        self.redis = redis
+        self.stream = stream
+        self.max_len = max_len
+        self.wait_timeout_s = wait_timeout_s
+        self.poll_s = poll_s
+
+    async def publish(self, records: Sequence[RolloutRecord], stream: str | None = None) -> list[bytes]:
+        """XADD all records of one job in one transaction (all or none); returns their entry ids."""
+        stream = stream or self.stream
+        payloads = [wire.encode_record(r) for r in records]
+        started = time.monotonic()
+        deadline = started + self.wait_timeout_s
+        while True:
+            if await self.redis.xlen(stream) + len(payloads) <= self.max_len:
+                pipe = self.redis.pipeline(transaction=True)
+                for data in payloads:
+                    pipe.xadd(stream, {F_RECORD: data})
+                try:
+                    ids = await pipe.execute()
+                except ResponseError as e:
+                    if "OOM" not in str(e):
+                        raise
+                    ids = None  # Redis is full: same as a full stream, wait for consumers
+                if ids is not None:
+                    PUBLISHED.inc(len(payloads))
+                    PUBLISH_BYTES.inc(sum(map(len, payloads)))
+                    PUBLISH_SECONDS.observe(time.monotonic() - started)
+                    return ids
+            if time.monotonic() >= deadline:
+                PUBLISH_FAILURES.inc()
+                raise PublishTimeout(
+                    f"rollout stream {stream} stayed full ({self.max_len} unconsumed entries or Redis OOM) "
+                    f"for {self.wait_timeout_s} s; the job stays pending for redelivery"
+                )
+            BACKPRESSURE.inc()
+            await asyncio.sleep(self.poll_s)
+
+    async def publish_job_error(self, job: PromptJob, reason: str, stream: str | None = None) -> None:
+        """Tell the trainer a job cannot run (bad input), so its admission slot is released."""
+        await self.redis.xadd(
+            stream or job.rollout_stream or self.stream,
+            {F_JOB_ERROR: wire.job_to_pb(job).SerializeToString(), F_REASON: reason[:1000]},
+        )
