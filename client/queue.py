@@ -309,16 +309,22 @@ class AsyncRolloutQueue:
             yield await self.next_batch(batch_size, max_staleness, timeout)
 
     async def _take(self, batch_size: int) -> list[RolloutRecord]:
-        out: list[RolloutRecord] = []
-        while self._complete and len(out) < batch_size:
-            job_id = self._complete.pop(0)
-            group = self._groups.pop(job_id)
+        """Whole groups, oldest first, once they add up to batch_size records (stale ones dropped)."""
+        ready = []
+        for job_id in self._complete:
+            group = self._groups[job_id]
             if self.stale_policy == "drop" and any(
                 self._stale(rec, self.max_staleness) for _, rec in group.entries
             ):
                 await self._discard(group.entries, job_id, stale=True)
-                continue
-            out.extend(rec for _, rec in group.entries)
+            else:
+                ready.append(job_id)
+        self._complete = ready
+        if sum(len(self._groups[j].entries) for j in ready) < batch_size:
+            return []
+        out: list[RolloutRecord] = []
+        while self._complete and len(out) < batch_size:
+            out.extend(rec for _, rec in self._groups.pop(self._complete.pop(0)).entries)
         return out
 
     async def _read(self, batch_size: int, block_ms: int) -> None:
