@@ -4,7 +4,14 @@ An engine generates one sample per request and streams `EngineOutput`s: new toke
 of the *processed* distribution it sampled from (temperature, then top-k, then top-p, renormalised),
 exactly K top-K entries per token sorted by rank, and the sampled token's logprob and rank separately.
 Cancelling the consumer of `generate` (CancelledError / aclose) must abort the request in the engine.
-Engines know nothing of gRPC, Redis or protobuf.
+Engines stop only on `stop_token_ids` and max_tokens / the context (the servicer decides which ids stop,
+the model's EOS included, so both engines follow one rule). Ranks count strictly larger μ (1 + #{μ_j >
+μ_a}); on exact ties vLLM may report a larger rank. Engines know nothing of gRPC, Redis or protobuf.
+
+Weight updates mid-generation: tokens after the update are sampled by the new weights reading KV-cache
+entries the old weights wrote (vLLM does the same). The record's μ is still exactly what was sampled,
+but a trainer recomputing π with the new weights will not match μ exactly for those tokens; the
+record's version_changes say which tokens they are.
 """
 
 from __future__ import annotations
