@@ -1,0 +1,314 @@
+"""RolloutClient: the trainer's gRPC client for one rollout replica, and a synchronous facade for scripts.
+
+    async with RolloutClient("127.0.0.1:50051", token=None) as c:
+        async for chunk in c.generate(prompt_ids, SamplingOptions(max_tokens=64, logprobs_k=20)):
+            ...                                  # RolloutChunk: new tokens with their logprob arrays
+        rec = await c.generate_record(prompt_ids, SamplingOptions(max_tokens=64))
+
+Failures surface as `RolloutError(code, message)` with the gRPC status code. Leaving a `generate`
+iteration early (break, exception, or dropping the iterator) cancels the call, and the server aborts
+the engine request. Imports grpc, protobuf and numpy only — never torch or vllm.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+import grpc
+import numpy as np
+
+from . import wire, wire_rpc
+from ._proto import rollout_pb2 as pb
+from ._proto import rollout_pb2_grpc as pb_grpc
+from ._sync import LoopThread
+from .records import RecordAssembler, RolloutChunk, RolloutRecord, SamplingOptions
+from .wire_rpc import ServerInfo, WeightsUpdateResult
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a record with arrays is ~8 bytes per token per K
+
+
+class RolloutError(Exception):
+    """An RPC failed; `code` is the grpc.StatusCode, `message` the server's explanation."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc(cls, exc: grpc.aio.AioRpcError) -> RolloutError:
+        return cls(exc.code(), exc.details() or "")
+
+
+def _checked(options: SamplingOptions) -> SamplingOptions:
+    problems = options.problems()
+    if problems:  # the same code the server would answer with, without the round trip
+        raise RolloutError(grpc.StatusCode.INVALID_ARGUMENT, "options: " + "; ".join(problems))
+    return options
+
+
+def _prompt_array(prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:  # -> int32 [P]
+    a = np.asarray(prompt_ids)
+    if a.size == 0:
+        return np.zeros(0, np.int32)  # the server answers an empty prompt with INVALID_ARGUMENT
+    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+        raise RolloutError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"prompt_token_ids must be a 1-D integer array, got {a.dtype} {a.shape}",
+        )
+    info = np.iinfo(np.int32)
+    if a.min() < info.min or a.max() > info.max:  # packing to int32 would wrap them into valid-looking ids
+        raise RolloutError(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: ids must fit in int32")
+    return a.astype(np.int32)
+
+
+class ChunkStream:
+    """The chunks of one Generate call. Async iterator; `cancel()`, `aclose()` or dropping the last
+    reference (CPython frees it as soon as an `async for` is left) cancels the call."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    def __aiter__(self) -> ChunkStream:
+        return self
+
+    async def __anext__(self) -> RolloutChunk:
+        try:
+            msg = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise RolloutError.from_rpc(exc) from None
+        if msg is grpc.aio.EOF:
+            raise StopAsyncIteration
+        try:
+            return wire.chunk_from_pb(msg)
+        except Exception:
+            self.cancel()  # a payload we cannot read: stop the server generating more of it
+            raise
+
+    def cancel(self) -> None:
+        if not self._call.done():
+            self._call.cancel()
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    async def __aenter__(self) -> ChunkStream:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        call = getattr(self, "_call", None)
+        if call is not None and not call.done():
+            call.cancel()
+
+
+class RolloutClient:
+    """Async client of one replica. The channel opens on first use (or `async with`), inside the
+    event loop that uses it; one client per event loop."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        root_certs: bytes | None = None,
+        tls_server_name: str | None = None,
+        timeout: float | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        """target: "host:port". token: bearer token, if the server requires one. tls / root_certs: use
+        TLS, trusting `root_certs` (PEM) or the system roots. tls_server_name: the name to check the
+        server certificate against, when it differs from the target's host. timeout: default deadline
+        of unary calls, in seconds (streams have none unless given per call)."""
+        self._target = target
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._tls = tls or root_certs is not None
+        self._root_certs = root_certs
+        self._timeout = timeout
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if tls_server_name:
+            self._options.append(("grpc.ssl_target_name_override", tls_server_name))
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.RolloutServiceStub | None = None
+
+    def _rollout(self) -> pb_grpc.RolloutServiceStub:
+        if self._stub is None:
+            if self._tls:
+                creds = grpc.ssl_channel_credentials(root_certificates=self._root_certs)
+                self._channel = grpc.aio.secure_channel(self._target, creds, options=self._options)
+            else:
+                self._channel = grpc.aio.insecure_channel(self._target, options=self._options)
+            self._stub = pb_grpc.RolloutServiceStub(self._channel)
+        return self._stub
+
+    async def __aenter__(self) -> RolloutClient:
+        self._rollout()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    async def _unary(self, method, request, timeout: float | None):
+        try:
+            return await method(request, metadata=self._metadata, timeout=timeout or self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise RolloutError.from_rpc(exc) from None
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        options: SamplingOptions | None = None,
+        *,
+        request_id: str = "",
+        job_id: str = "",
+        group_id: str = "",
+        metadata: dict[str, str] | None = None,
+        include_record_arrays: bool = False,
+        timeout: float | None = None,
+    ) -> ChunkStream:
+        """Stream the chunks of every sample as the server produces them; each sample's last chunk
+        carries its record (arrays only with include_record_arrays; otherwise reassemble them with
+        RecordAssembler, as generate_records does)."""
+        request = wire.generate_request(
+            _prompt_array(prompt_ids),
+            _checked(options or SamplingOptions()),
+            request_id=request_id,
+            job_id=job_id,
+            group_id=group_id,
+            metadata=metadata,
+            include_record_arrays=include_record_arrays,
+        )
+        return ChunkStream(self._rollout().Generate(request, metadata=self._metadata, timeout=timeout))
+
+    async def generate_records(
+        self, prompt_ids: Sequence[int] | np.ndarray, options: SamplingOptions | None = None, **kwargs
+    ) -> list[RolloutRecord]:
+        """All n samples' records, ordered by sample index (keyword arguments as for `generate`)."""
+        options = options or SamplingOptions()
+        assembler, records = RecordAssembler(), {}
+        async with self.generate(prompt_ids, options, **kwargs) as stream:
+            async for chunk in stream:
+                record = assembler.add(chunk)
+                if record is not None:
+                    records[record.sample_index] = record
+        if sorted(records) != list(range(options.n)):
+            raise RolloutError(
+                grpc.StatusCode.DATA_LOSS,
+                f"stream ended with records for samples {sorted(records)} of n={options.n}",
+            )
+        return [records[i] for i in range(options.n)]
+
+    async def generate_record(
+        self, prompt_ids: Sequence[int] | np.ndarray, options: SamplingOptions | None = None, **kwargs
+    ) -> RolloutRecord:
+        """The one record of an n=1 request."""
+        options = options or SamplingOptions()
+        if options.n != 1:
+            raise RolloutError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"generate_record is for n=1 (got n={options.n}); use generate_records",
+            )
+        return (await self.generate_records(prompt_ids, options, **kwargs))[0]
+
+    # ---- weights and info -----------------------------------------------------------------------
+
+    async def update_weights(
+        self, version: int, checkpoint_dir: str | os.PathLike, *, timeout: float | None = None
+    ) -> WeightsUpdateResult:
+        """Make the replica load the safetensors checkpoint `checkpoint_dir` (a path on the replica's
+        machine, under its weights_root) as policy `version` (greater than its current version)."""
+        request = wire_rpc.update_request(version, os.fspath(checkpoint_dir))
+        return wire_rpc.update_result_from_pb(
+            await self._unary(self._rollout().UpdateWeights, request, timeout)
+        )
+
+    async def info(self, *, timeout: float | None = None) -> ServerInfo:
+        return wire_rpc.info_from_pb(await self._unary(self._rollout().GetInfo, pb.GetInfoRequest(), timeout))
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The standard health service's status name: "SERVING", "NOT_SERVING", ..."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        self._rollout()
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        response = await self._unary(stub.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+class SyncRolloutClient:
+    """Blocking facade over RolloutClient for scripts: its own event loop on a daemon thread.
+
+    Same arguments and methods; `generate` returns a plain iterator (closing it or breaking out of the
+    loop cancels the call). Use as a context manager or call `close()`."""
+
+    def __init__(self, target: str, **kwargs) -> None:
+        self._loop_thread = LoopThread("maskroll-rollout-client")
+        self._loop = self._loop_thread.loop
+        self._client = RolloutClient(target, **kwargs)
+
+    def _run(self, coro):
+        return self._loop_thread.run(coro)
+
+    def generate(
+        self, prompt_ids, options: SamplingOptions | None = None, **kwargs
+    ) -> Iterator[RolloutChunk]:
+        async def open_stream() -> ChunkStream:  # the call must be created on the client's loop
+            return self._client.generate(prompt_ids, options, **kwargs)
+
+        stream = self._run(open_stream())
+        return self._iterate(stream)
+
+    def _iterate(self, stream: ChunkStream) -> Iterator[RolloutChunk]:
+        try:
+            while True:
+                try:
+                    chunk = self._run(stream.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            if not self._loop.is_closed():  # closing the client first already ended the call
+                self._loop.call_soon_threadsafe(stream.cancel)
+
+    def generate_records(
+        self, prompt_ids, options: SamplingOptions | None = None, **kwargs
+    ) -> list[RolloutRecord]:
+        return self._run(self._client.generate_records(prompt_ids, options, **kwargs))
+
+    def generate_record(self, prompt_ids, options: SamplingOptions | None = None, **kwargs) -> RolloutRecord:
+        return self._run(self._client.generate_record(prompt_ids, options, **kwargs))
+
+    def update_weights(self, version: int, checkpoint_dir, **kwargs) -> WeightsUpdateResult:
+        return self._run(self._client.update_weights(version, checkpoint_dir, **kwargs))
+
+    def info(self, **kwargs) -> ServerInfo:
+        return self._run(self._client.info(**kwargs))
+
+    def health(self, service: str = "", **kwargs) -> str:
+        return self._run(self._client.health(service, **kwargs))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self._client.close())
+        self._loop_thread.close()
+
+    def __enter__(self) -> SyncRolloutClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -1,0 +1,185 @@
+"""One replica's gRPC server: build it from a ServerConfig, run it, drain it on SIGTERM / SIGINT.
+
+`start()` starts the engine, binds the port (0 = a free one; the bound port is returned), registers the
+rollout and standard health services, and serves metrics when configured. `Replica.drain()` is the
+graceful stop: health → NOT_SERVING, no new requests, in-flight streams run on for up to
+drain_timeout_s, then end with finish_reason "abort", then the engine closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio  # the asyncio HealthServicer
+
+from maskroll.client._proto import rollout_pb2, rollout_pb2_grpc
+
+from .auth import BearerTokenInterceptor, server_credentials
+from .config import ServerConfig
+from .engine import Engine
+from .metrics import Metrics
+from .servicer import RolloutServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+# After the drain timeout, aborted streams still need a moment to send their final "abort" chunks.
+ABORT_GRACE_S = 5.0
+STOP_GRACE_S = 1.0
+
+
+class BindError(OSError):
+    """The gRPC port could not be bound (in use, or an address this host does not have)."""
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass
+class Replica:
+    config: ServerConfig
+    engine: Engine
+    servicer: RolloutServicer
+    health: health_aio.HealthServicer
+    server: grpc.aio.Server
+    port: int
+    metrics: Metrics
+    metrics_port: int | None
+    owns_engine: bool
+    _httpd: object | None = None
+    _drained: bool = False
+
+    @property
+    def address(self) -> str:
+        return _hostport(self.config.host, self.port)
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Graceful stop; `timeout_s` overrides the config's drain_timeout_s. Idempotent.
+
+        The port stays open while in-flight requests finish, so health checks read NOT_SERVING (rather
+        than failing to connect) and new Generate calls get UNAVAILABLE with a reason."""
+        if self._drained:
+            return
+        self._drained = True
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING for every service, permanently
+        self.servicer.begin_drain()
+        if not await self.servicer.wait_idle(timeout_s):
+            log.warning(
+                "drain: %d requests still running after %.1f s; aborting", self.servicer.in_flight, timeout_s
+            )
+            self.servicer.abort_all()
+            if not await self.servicer.wait_idle(ABORT_GRACE_S):
+                log.warning("drain: %d requests did not end after the abort", self.servicer.in_flight)
+        # Whatever is left (health Watch streams, a client not reading its last chunks) is cancelled.
+        await self.server.stop(grace=STOP_GRACE_S)
+        if self.owns_engine:
+            await self.engine.close()
+        if self._httpd is not None:
+            await asyncio.to_thread(self._httpd.shutdown)  # blocks until its serve loop notices
+            self._httpd.server_close()
+
+
+async def start(config: ServerConfig, engine: Engine | None = None) -> Replica:
+    """Start a replica. With `engine` given (already started), the caller keeps ownership of it."""
+    owns_engine = engine is None
+    if engine is None:
+        from .engines import make_engine
+
+        log.info("starting the %s engine on %s", config.resolved_engine, config.model)
+        engine = make_engine(config)
+        await engine.start()
+    try:
+        return await _serve_engine(config, engine, owns_engine)
+    except BaseException:
+        if owns_engine:
+            await engine.close()
+        raise
+
+
+async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool) -> Replica:
+    metrics = Metrics()
+    servicer = RolloutServicer(engine, config, metrics)
+    health = health_aio.HealthServicer()
+    interceptors = []
+    if config.token:
+        interceptors.append(
+            BearerTokenInterceptor(
+                config.token, on_denied=lambda m: metrics.rpc_done(m, "UNAUTHENTICATED", 0.0)
+            )
+        )
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            # Without this, a second server on the same fixed port would silently share it.
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    bind = _hostport(config.host, config.port)
+    try:
+        if config.tls_cert is not None and config.tls_key is not None:
+            port = server.add_secure_port(bind, server_credentials(config.tls_cert, config.tls_key))
+        else:
+            port = server.add_insecure_port(bind)
+    except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind to address ...")
+        raise BindError(f"cannot listen on {bind} (address in use, or not an address of this host)") from exc
+    if not port:
+        raise BindError(f"cannot listen on {bind}")
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+    httpd, metrics_port = None, None
+    if config.metrics_port is not None:
+        httpd, metrics_port = metrics.serve_http(config.host, config.metrics_port)
+    return Replica(
+        config=config,
+        engine=engine,
+        servicer=servicer,
+        health=health,
+        server=server,
+        port=port,
+        metrics=metrics,
+        metrics_port=metrics_port,
+        owns_engine=owns_engine,
+        _httpd=httpd,
+    )
+
+
+def ready_line(r: Replica) -> str:
+    metrics = f"http://{_hostport(r.config.host, r.metrics_port)}/metrics" if r.metrics_port else "off"
+    tls = "tls" if r.config.tls_cert else "plaintext"
+    auth = "token" if r.config.token else "no auth"
+    return (
+        f"maskroll serve: ready on {r.address} ({tls}, {auth}; engine {r.engine.name} {r.engine.version}, "
+        f"model {r.engine.model_id}, policy version {r.engine.policy_version}; metrics {metrics})"
+    )
+
+
+async def serve(config: ServerConfig) -> int:
+    """Run until SIGTERM / SIGINT, then drain. A second signal skips the rest of the drain timeout."""
+    replica = await start(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(ready_line(replica), flush=True)
+    await stop.wait()
+    log.info(
+        "draining: %d requests in flight, up to %.1f s", replica.servicer.in_flight, config.drain_timeout_s
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, replica.servicer.abort_all)
+    await replica.drain()
+    print("maskroll serve: stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,74 @@
+"""Prometheus metrics of one replica, served over HTTP when `metrics_port` is set.
+
+Each server gets its own CollectorRegistry, so several servers can live in one process (tests) without
+colliding in prometheus_client's global registry. Knows nothing of gRPC messages or engines: callers
+report numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_K_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.tokens = Counter("maskroll_generated_tokens", "Completion tokens streamed", registry=r)
+        self.requests = Counter(
+            "maskroll_requests", "RPCs by method and final status code", ["method", "code"], registry=r
+        )
+        self.latency = Histogram(
+            "maskroll_request_seconds", "RPC duration", ["method"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "maskroll_time_to_first_token_seconds",
+            "Generate: request start to the first streamed token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.logprobs_k = Histogram(
+            "maskroll_logprobs_k", "Top-K asked for per Generate request", buckets=_K_BUCKETS, registry=r
+        )
+        self.policy_version = Gauge("maskroll_policy_version", "Current policy (weights) version", registry=r)
+        self.in_flight = Gauge("maskroll_generate_in_flight", "Generate requests in progress", registry=r)
+        self.weight_update = Histogram(
+            "maskroll_weight_update_seconds", "UpdateWeights load time", buckets=_LATENCY_BUCKETS, registry=r
+        )
+
+    def rpc_done(self, method: str, code: str, seconds: float) -> None:
+        self.requests.labels(method, code).inc()
+        self.latency.labels(method).observe(seconds)
+
+    def generate_started(self, logprobs_k: int) -> GenerateTracker:
+        self.in_flight.inc()
+        self.logprobs_k.observe(logprobs_k)
+        return GenerateTracker(self)
+
+    def serve_http(self, host: str, port: int):
+        """Start the /metrics endpoint on a daemon thread; returns (http server, bound port)."""
+        httpd, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return httpd, httpd.server_port
+
+
+@dataclass
+class GenerateTracker:
+    """Per-request bookkeeping: tokens, time to the first token, in-flight gauge."""
+
+    metrics: Metrics
+    start: float = field(default_factory=time.perf_counter)
+    seen_token: bool = False
+
+    def tokens(self, n: int) -> None:
+        if n and not self.seen_token:
+            self.seen_token = True
+            self.metrics.ttft.observe(time.perf_counter() - self.start)
+        self.metrics.tokens.inc(n)
+
+    def done(self) -> None:
+        self.metrics.in_flight.dec()

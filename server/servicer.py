@@ -1,0 +1,209 @@
+"""RolloutServicer: the gRPC methods, each validate → convert → call → yield (STYLE.md §6).
+
+Validation lives in `validation`, record building in `records_builder`, the n-way engine fan-out in
+`fanout`, checkpoint rules in `weights`, protobuf conversion in `maskroll.client.wire*` and the mapping of
+exceptions to status codes in `errors.rpc_boundary`. What is left here is the order of the steps and
+the bookkeeping a drain needs (which requests are in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from maskroll.client import wire, wire_rpc
+from maskroll.client._proto import rollout_pb2 as pb
+from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
+from maskroll.client.records import LOGPROBS_MODE
+
+from . import validation, weights
+from .config import ServerConfig
+from .engine import Engine
+from .errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+    Unimplemented,
+    rpc_boundary,
+)
+from .fanout import FanOut
+from .metrics import Metrics
+from .records_builder import RecordHeader, SampleBuilder, semantics_for
+
+
+def maskroll_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("maskroll")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class RolloutServicer(pb_grpc.RolloutServiceServicer):
+    def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics) -> None:
+        self._engine = engine
+        self._config = config
+        self._metrics = metrics
+        self._caps = validation.Caps.of(
+            engine.limits, max_logprobs=config.max_logprobs, max_tokens=config.max_tokens, max_n=config.max_n
+        )
+        self._active: dict[str, FanOut] = {}  # request_id -> its engine streams, for drain and dedup
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._weights_lock = asyncio.Lock()  # one UpdateWeights at a time: versions must increase
+        self._updates: set[asyncio.Task] = set()  # running updates (a task needs a strong reference)
+        self._draining = False
+        metrics.policy_version.set(engine.policy_version)
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        self._metrics.rpc_done(method, code, seconds)
+
+    # ---- Generate -------------------------------------------------------------------------------
+
+    @rpc_boundary("Generate")
+    async def Generate(self, request: pb.GenerateRequest, context):
+        if self._draining:
+            raise Unavailable("the server is draining; send the request to another replica")
+        validation.check_ids(request.request_id, request.job_id, request.group_id)
+        prompt = wire.prompt_from_pb(request)
+        validation.check_prompt(prompt, self._caps)
+        options = wire.options_from_pb(request.options)
+        params = validation.sampling_params(prompt, options, self._caps)
+        request_id = request.request_id or validation.new_request_id()
+        if request_id in self._active:
+            raise AlreadyExists(f"request_id {request_id!r} is already in flight on this replica")
+
+        e = self._engine
+        header = RecordHeader(
+            request_id=request_id,
+            job_id=request.job_id,
+            group_id=request.group_id,
+            metadata=dict(request.metadata),
+            prompt_ids=prompt,
+            semantics=semantics_for(params, engine=e.name, engine_version=e.version, model=e.model_id),
+            replica_id=self._config.replica_id,
+        )
+        samples = [SampleBuilder(header, i) for i in range(options.n)]
+        arrays = request.include_record_arrays
+        fan = FanOut(e, validation.engine_requests(request_id, prompt, params, options.n))
+        tracker = self._metrics.generate_started(params.logprobs_k)
+        self._track(request_id, fan)
+        try:
+            async with fan:
+                async for i, out in fan.outputs():
+                    if out is not None:
+                        chunk = samples[i].add(out, now=time.time())
+                    elif not samples[i].finished:  # the engine ended the stream without a finish reason
+                        chunk = samples[i].abort(current_version=e.policy_version, now=time.time())
+                    else:
+                        continue
+                    tracker.tokens(len(chunk.token_ids))
+                    yield wire.chunk_to_pb(chunk, record_arrays=arrays)
+            # Reached with unfinished samples only when the drain aborted us: their engine requests are
+            # cancelled by now; each still gets its last chunk, with finish_reason "abort".
+            for sample in samples:
+                if not sample.finished:
+                    chunk = sample.abort(current_version=e.policy_version, now=time.time())
+                    yield wire.chunk_to_pb(chunk, record_arrays=arrays)
+        finally:
+            self._untrack(request_id)
+            tracker.done()
+
+    def _track(self, request_id: str, fan: FanOut) -> None:
+        self._active[request_id] = fan
+        self._idle.clear()
+
+    def _untrack(self, request_id: str) -> None:
+        del self._active[request_id]
+        if not self._active:
+            self._idle.set()
+
+    # ---- UpdateWeights --------------------------------------------------------------------------
+
+    @rpc_boundary("UpdateWeights")
+    async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context) -> pb.UpdateWeightsResponse:
+        update = wire_rpc.update_from_pb(request)
+        if update.collective:
+            raise Unimplemented("collective (NCCL) weight updates are not implemented; send a checkpoint")
+        if update.checkpoint_dir is None:
+            raise InvalidArgument("source is not set; give checkpoint.path")
+        if self._draining:
+            raise Unavailable("the server is draining")
+        path = weights.resolve_checkpoint(update.checkpoint_dir, self._config.weights_root)
+        # Once begun, an update runs to its end even if the caller goes away (deadline, disconnect): a
+        # load cancelled halfway would leave the weights and the version to chance. The caller's own
+        # cancellation still propagates through the shield.
+        task = asyncio.ensure_future(self._update_weights(update.version, path))
+        self._updates.add(task)
+        task.add_done_callback(self._update_done)
+        return wire_rpc.update_result_to_pb(await asyncio.shield(task))
+
+    def _update_done(self, task: asyncio.Task) -> None:
+        self._updates.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: an orphaned update's error already went to its (gone) caller
+
+    async def _update_weights(self, version: int, path) -> wire_rpc.WeightsUpdateResult:
+        async with self._weights_lock:
+            current = self._engine.policy_version
+            if version <= current:
+                raise FailedPrecondition(
+                    f"version {version} must be greater than the current policy version {current}"
+                )
+            paused, seconds = await weights.load_checkpoint(self._engine, version, path)
+        self._metrics.weight_update.observe(seconds)
+        self._metrics.policy_version.set(self._engine.policy_version)
+        return wire_rpc.WeightsUpdateResult(
+            version=self._engine.policy_version, load_seconds=seconds, paused_requests=paused
+        )
+
+    # ---- GetInfo --------------------------------------------------------------------------------
+
+    @rpc_boundary("GetInfo")
+    async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.ServerInfo:
+        return wire_rpc.info_to_pb(self.info())
+
+    def info(self) -> wire_rpc.ServerInfo:
+        e, c = self._engine, self._caps
+        return wire_rpc.ServerInfo(
+            model=e.model_id,
+            engine=e.name,
+            engine_version=e.version,
+            maskroll_version=maskroll_version(),
+            policy_version=e.policy_version,
+            max_logprobs_k=c.max_logprobs,
+            max_model_len=c.max_model_len,
+            vocab_size=c.vocab_size,
+            max_tokens=min(c.max_tokens, c.max_model_len - 1),
+            max_n=c.max_n,
+            logprobs_mode=LOGPROBS_MODE,
+            replica_id=self._config.replica_id,
+            max_message_bytes=self._config.max_message_bytes,
+        )
+
+    # ---- drain ----------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    def begin_drain(self) -> None:
+        """Refuse new work (UNAVAILABLE, so clients retry elsewhere); in-flight requests go on."""
+        self._draining = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Whether every in-flight Generate finished within `timeout` seconds."""
+        if self._idle.is_set():  # wait_for(..., 0) would time out even on a set event
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def abort_all(self) -> None:
+        """End every in-flight Generate now: each unfinished sample gets a record with finish_reason abort."""
+        for fan in self._active.values():
+            fan.abort()

@@ -1,0 +1,140 @@
+"""Record building as pure functions: version history, the record = concatenation of its chunks, the
+engine-contract check, and the abort record."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from maskroll.client.records import RecordAssembler, rollout_id_for
+from maskroll.server.engine import EngineOutput, SamplingParams
+from maskroll.server.records_builder import (
+    RecordHeader,
+    SampleBuilder,
+    build_record,
+    check_output,
+    semantics_for,
+    version_history,
+)
+
+K = 3
+
+
+def out(tokens, version, finish=None, k=K) -> EngineOutput:
+    t = len(tokens)
+    base = np.asarray(tokens, np.float32)
+    return EngineOutput(
+        token_ids=np.asarray(tokens, np.int32),
+        sampled_logprobs=-base / 10,
+        sampled_ranks=np.arange(1, t + 1, dtype=np.int32),
+        topk_ids=(np.asarray(tokens, np.int32)[:, None] + np.arange(k, dtype=np.int32)).reshape(t, k),
+        topk_logprobs=(-base[:, None] / 10 - np.arange(k, dtype=np.float32)).reshape(t, k),
+        policy_version=version,
+        finish_reason=finish,
+    )
+
+
+def header(job_id="job", k=K) -> RecordHeader:
+    params = SamplingParams(max_tokens=10, temperature=0.5, top_p=0.9, top_k=4, logprobs_k=k)
+    return RecordHeader(
+        request_id="req",
+        job_id=job_id,
+        group_id="grp",
+        metadata={"m": "1"},
+        prompt_ids=np.array([7, 8], np.int32),
+        semantics=semantics_for(params, engine="torch", engine_version="5", model="tiny"),
+        replica_id="rep",
+    )
+
+
+def test_version_history_marks_each_change_at_its_first_token():
+    outs = [out([1, 2], 3), out([], 9), out([3], 3), out([4, 5, 6], 4), out([7], 4), out([8], 6)]
+    assert version_history(outs, current_version=99) == (3, 6, [(3, 4), (7, 6)])
+
+
+def test_version_history_without_tokens_uses_the_current_version():
+    assert version_history([], current_version=7) == (7, 7, [])
+    assert version_history([out([], 2, "stop")], current_version=7) == (7, 7, [])
+
+
+def test_record_is_the_concatenation_of_the_chunks_and_carries_the_header():
+    b = SampleBuilder(header(), sample_index=2)
+    chunks = [
+        b.add(out([1, 2], 0), now=1.0),
+        b.add(out([3], 1), now=2.0),
+        b.add(out([4], 1, "length"), now=3.0),
+    ]
+    assert [c.start_index for c in chunks] == [0, 2, 3]
+    assert [c.record is None for c in chunks] == [True, True, False]
+    rec = chunks[-1].record
+    np.testing.assert_array_equal(rec.completion_ids, [1, 2, 3, 4])
+    np.testing.assert_array_equal(rec.sampled_logprobs, np.float32([-0.1, -0.2, -0.3, -0.4]))
+    np.testing.assert_array_equal(rec.sampled_ranks, [1, 2, 1, 1])
+    np.testing.assert_array_equal(rec.topk_ids[3], [4, 5, 6])
+    assert rec.topk_logprobs.shape == (4, K) and rec.topk_logprobs.dtype == np.float32
+    assert (rec.policy_version_first, rec.policy_version_last, rec.version_changes) == (0, 1, [(2, 1)])
+    assert rec.rollout_id == rollout_id_for("job", 2) and rec.sample_index == 2
+    assert (rec.request_id, rec.group_id, rec.metadata, rec.replica_id, rec.created_at) == (
+        "req",
+        "grp",
+        {"m": "1"},
+        "rep",
+        3.0,
+    )
+    assert (
+        rec.finish_reason == "length"
+        and rec.semantics.top_k == 4
+        and rec.semantics.logprobs_mode == "processed"
+    )
+    # What a client reassembles from the same chunks (header without arrays) is the same record.
+    assembler = RecordAssembler()
+    for c in chunks:
+        got = assembler.add(c)
+    for name in ("completion_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(rec, name))
+
+
+def test_abort_ends_the_sample_with_what_it_has():
+    b = SampleBuilder(header(), sample_index=0)
+    b.add(out([1, 2], 5), now=1.0)
+    last = b.abort(current_version=6, now=2.0)
+    assert len(last.token_ids) == 0 and last.start_index == 2 and last.topk_ids.shape == (0, K)
+    rec = last.record
+    assert rec.finish_reason == "abort" and rec.num_tokens == 2 and rec.policy_version_last == 5
+    with pytest.raises(RuntimeError, match="finished twice"):
+        b.abort(current_version=6, now=3.0)
+
+
+def test_abort_before_any_token_gives_an_empty_record_with_k_columns():
+    rec = SampleBuilder(header(job_id=""), sample_index=1).abort(current_version=4, now=0.0).record
+    assert rec.topk_ids.shape == (0, K) and rec.num_tokens == 0
+    assert (rec.policy_version_first, rec.policy_version_last) == (4, 4)
+    assert rec.rollout_id == rollout_id_for("req", 1)  # no job id: the request id stands in
+
+
+def test_k_zero_records_have_zero_width_topk():
+    rec = build_record(
+        header(k=0), 0, [out([1, 2], 0, "stop", k=0)], finish_reason="stop", current_version=0, created_at=0
+    )
+    assert rec.topk_ids.shape == (2, 0) and rec.topk_logprobs.shape == (2, 0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("topk_ids", np.zeros((2, K + 1), np.int32)),  # K + 1 entries: the sampled token leaked in
+        ("topk_logprobs", np.zeros((2, K - 1), np.float32)),
+        ("sampled_logprobs", np.zeros(3, np.float32)),
+        ("sampled_ranks", np.zeros(1, np.int32)),
+    ],
+)
+def test_misshaped_engine_output_is_refused(field, value):
+    o = out([1, 2], 0)
+    setattr(o, field, value)
+    with pytest.raises(RuntimeError, match=field):
+        check_output(o, K)
+
+
+def test_unknown_finish_reason_is_refused():
+    with pytest.raises(RuntimeError, match="finish_reason"):
+        check_output(out([1], 0, "eos"), K)
