@@ -1,33 +1,51 @@
 """maskroll.client: the SDK a trainer uses to reach rollout replicas (gRPC) and the rollout queue (Redis).
 
 Owns the generated wire code, `RolloutClient`, `RolloutQueue` and plain-numpy records. It never imports
-torch or vllm: a trainer on any framework can use it. The gRPC client is loaded on first access, so
-`from maskroll.client import RolloutRecord` works without grpc installed.
+torch or vllm: a trainer on any framework can use it. The gRPC client and the Redis queue are loaded on
+first access, so `from maskroll.client import RolloutRecord` needs neither grpc nor redis.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .records import RecordAssembler, RolloutChunk, RolloutRecord, SamplingOptions, Semantics
+from .records import (
+    PromptJob,
+    RecordAssembler,
+    RolloutChunk,
+    RolloutRecord,
+    SamplingOptions,
+    Semantics,
+    ServerInfo,
+    WeightsUpdateResult,
+)
 
 if TYPE_CHECKING:
+    from .queue import AsyncRolloutQueue, QueueFull, QueueTimeout, QueueUnavailable, RolloutQueue
     from .rollout_client import RolloutClient, RolloutError, SyncRolloutClient
-    from .wire_rpc import ServerInfo, WeightsUpdateResult
 
 _LAZY = {
     "RolloutClient": "rollout_client",
     "SyncRolloutClient": "rollout_client",
     "RolloutError": "rollout_client",
-    "ServerInfo": "wire_rpc",
-    "WeightsUpdateResult": "wire_rpc",
+    "RolloutQueue": "queue",
+    "AsyncRolloutQueue": "queue",
+    "QueueFull": "queue",
+    "QueueTimeout": "queue",
+    "QueueUnavailable": "queue",
 }
 
 __all__ = [
+    "AsyncRolloutQueue",
+    "PromptJob",
+    "QueueFull",
+    "QueueTimeout",
+    "QueueUnavailable",
     "RecordAssembler",
     "RolloutChunk",
     "RolloutClient",
     "RolloutError",
+    "RolloutQueue",
     "RolloutRecord",
     "SamplingOptions",
     "Semantics",

@@ -179,3 +179,38 @@ class RecordAssembler:
             np.float32, copy=False
         )
         return rec
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What a replica serves and the limits it enforces (GetInfo)."""
+
+    model: str
+    engine: str
+    engine_version: str
+    maskroll_version: str
+    policy_version: int
+    max_logprobs_k: int
+    max_model_len: int
+    vocab_size: int
+    max_tokens: int
+    max_n: int
+    logprobs_mode: str
+    replica_id: str
+    max_message_bytes: int
+
+
+@dataclass(frozen=True)
+class WeightsUpdate:
+    """An UpdateWeights request: a checkpoint directory, or (not implemented yet) an NCCL broadcast."""
+
+    version: int
+    checkpoint_dir: str | None = None  # set when the source is a checkpoint
+    collective: bool = False  # the source is a CollectiveSource
+
+
+@dataclass(frozen=True)
+class WeightsUpdateResult:
+    version: int
+    load_seconds: float
+    paused_requests: int  # in-flight requests that were paused and resumed

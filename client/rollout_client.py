@@ -18,12 +18,18 @@ from collections.abc import Iterator, Sequence
 import grpc
 import numpy as np
 
-from . import wire, wire_rpc
+from . import wire
 from ._proto import rollout_pb2 as pb
 from ._proto import rollout_pb2_grpc as pb_grpc
 from ._sync import LoopThread
-from .records import RecordAssembler, RolloutChunk, RolloutRecord, SamplingOptions
-from .wire_rpc import ServerInfo, WeightsUpdateResult
+from .records import (
+    RecordAssembler,
+    RolloutChunk,
+    RolloutRecord,
+    SamplingOptions,
+    ServerInfo,
+    WeightsUpdateResult,
+)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a record with arrays is ~8 bytes per token per K
 
@@ -231,13 +237,11 @@ class RolloutClient:
     ) -> WeightsUpdateResult:
         """Make the replica load the safetensors checkpoint `checkpoint_dir` (a path on the replica's
         machine, under its weights_root) as policy `version` (greater than its current version)."""
-        request = wire_rpc.update_request(version, os.fspath(checkpoint_dir))
-        return wire_rpc.update_result_from_pb(
-            await self._unary(self._rollout().UpdateWeights, request, timeout)
-        )
+        request = wire.update_request(version, os.fspath(checkpoint_dir))
+        return wire.update_result_from_pb(await self._unary(self._rollout().UpdateWeights, request, timeout))
 
     async def info(self, *, timeout: float | None = None) -> ServerInfo:
-        return wire_rpc.info_from_pb(await self._unary(self._rollout().GetInfo, pb.GetInfoRequest(), timeout))
+        return wire.info_from_pb(await self._unary(self._rollout().GetInfo, pb.GetInfoRequest(), timeout))
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The standard health service's status name: "SERVING", "NOT_SERVING", ..."""

@@ -11,7 +11,17 @@ import math
 import numpy as np
 
 from ._proto import rollout_pb2 as pb
-from .records import SCHEMA_VERSION, PromptJob, RolloutChunk, RolloutRecord, SamplingOptions, Semantics
+from .records import (
+    SCHEMA_VERSION,
+    PromptJob,
+    RolloutChunk,
+    RolloutRecord,
+    SamplingOptions,
+    Semantics,
+    ServerInfo,
+    WeightsUpdate,
+    WeightsUpdateResult,
+)
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -279,4 +289,40 @@ def chunk_from_pb(m: pb.GenerateChunk) -> RolloutChunk:
         topk_logprobs=unpack(m.topk_logprobs, _F32, (t, k), "topk_logprobs"),
         policy_version=m.policy_version,
         record=record,
+    )
+
+
+# ---- unary RPCs: GetInfo, UpdateWeights ---------------------------------------------------------
+
+
+def info_to_pb(i: ServerInfo) -> pb.ServerInfo:
+    return pb.ServerInfo(**i.__dict__)
+
+
+def info_from_pb(m: pb.ServerInfo) -> ServerInfo:
+    return ServerInfo(**{name: getattr(m, name) for name in ServerInfo.__dataclass_fields__})
+
+
+def update_request(version: int, checkpoint_dir: str) -> pb.UpdateWeightsRequest:
+    return pb.UpdateWeightsRequest(version=version, checkpoint=pb.CheckpointSource(path=checkpoint_dir))
+
+
+def update_from_pb(m: pb.UpdateWeightsRequest) -> WeightsUpdate:
+    source = m.WhichOneof("source")
+    return WeightsUpdate(
+        version=m.version,
+        checkpoint_dir=m.checkpoint.path if source == "checkpoint" else None,
+        collective=source == "collective",
+    )
+
+
+def update_result_to_pb(r: WeightsUpdateResult) -> pb.UpdateWeightsResponse:
+    return pb.UpdateWeightsResponse(
+        version=r.version, load_seconds=r.load_seconds, paused_requests=r.paused_requests
+    )
+
+
+def update_result_from_pb(m: pb.UpdateWeightsResponse) -> WeightsUpdateResult:
+    return WeightsUpdateResult(
+        version=m.version, load_seconds=m.load_seconds, paused_requests=m.paused_requests
     )

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from maskroll.client import wire, wire_rpc
+from maskroll.client import wire
 from maskroll.client._proto import rollout_pb2 as pb
 from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
-from maskroll.client.records import LOGPROBS_MODE
+from maskroll.client.records import LOGPROBS_MODE, ServerInfo, WeightsUpdateResult
 
 from . import validation, weights
 from .config import ServerConfig
@@ -124,7 +124,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     @rpc_boundary("UpdateWeights")
     async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context) -> pb.UpdateWeightsResponse:
-        update = wire_rpc.update_from_pb(request)
+        update = wire.update_from_pb(request)
         if update.collective:
             raise Unimplemented("collective (NCCL) weight updates are not implemented; send a checkpoint")
         if update.checkpoint_dir is None:
@@ -138,14 +138,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         task = asyncio.ensure_future(self._update_weights(update.version, path))
         self._updates.add(task)
         task.add_done_callback(self._update_done)
-        return wire_rpc.update_result_to_pb(await asyncio.shield(task))
+        return wire.update_result_to_pb(await asyncio.shield(task))
 
     def _update_done(self, task: asyncio.Task) -> None:
         self._updates.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: an orphaned update's error already went to its (gone) caller
 
-    async def _update_weights(self, version: int, path) -> wire_rpc.WeightsUpdateResult:
+    async def _update_weights(self, version: int, path) -> WeightsUpdateResult:
         async with self._weights_lock:
             current = self._engine.policy_version
             if version <= current:
@@ -155,7 +155,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             paused, seconds = await weights.load_checkpoint(self._engine, version, path)
         self._metrics.weight_update.observe(seconds)
         self._metrics.policy_version.set(self._engine.policy_version)
-        return wire_rpc.WeightsUpdateResult(
+        return WeightsUpdateResult(
             version=self._engine.policy_version, load_seconds=seconds, paused_requests=paused
         )
 
@@ -163,11 +163,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     @rpc_boundary("GetInfo")
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.ServerInfo:
-        return wire_rpc.info_to_pb(self.info())
+        return wire.info_to_pb(self.info())
 
-    def info(self) -> wire_rpc.ServerInfo:
+    def info(self) -> ServerInfo:
         e, c = self._engine, self._caps
-        return wire_rpc.ServerInfo(
+        return ServerInfo(
             model=e.model_id,
             engine=e.name,
             engine_version=e.version,

@@ -292,6 +292,11 @@ def test_metrics_count_tokens_requests_k_and_serve_http(fake):
 
     asyncio.run(main())
     reg = r.metrics.registry
+    # the server finishes its bookkeeping of a call just after the client has its answer
+    wait_until(
+        lambda: reg.get_sample_value("maskroll_request_seconds_count", {"method": "Generate"}) == 2,
+        what="both Generate calls to be recorded",
+    )
     assert reg.get_sample_value("maskroll_generated_tokens_total") == 14
     assert reg.get_sample_value("maskroll_requests_total", {"method": "Generate", "code": "OK"}) == 1
     assert (
