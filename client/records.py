@@ -33,6 +33,7 @@ class SamplingOptions:
     n: int = 1  # samples per prompt
     seed: int | None = None  # sample i uses seed + i
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # the model's EOS token stops generation unless this is set
 
     def problems(self) -> list[str]:
         """Client-side checks of what needs no server knowledge; the server re-checks everything."""

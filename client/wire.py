@@ -62,6 +62,7 @@ def options_to_pb(o: SamplingOptions) -> pb.SamplingOptions:
         n=o.n,
         logprobs_k=o.logprobs_k,
         stop_token_ids=list(o.stop_token_ids),
+        ignore_eos=o.ignore_eos,
     )
     if o.seed is not None:
         msg.seed = o.seed
@@ -78,6 +79,7 @@ def options_from_pb(m: pb.SamplingOptions) -> SamplingOptions:
         n=m.n or 1,
         seed=m.seed if m.HasField("seed") else None,
         stop_token_ids=tuple(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
     )
 
 

@@ -62,6 +62,7 @@ class EngineLimits:
     vocab_size: int
     max_model_len: int  # prompt + completion tokens
     max_logprobs: int  # largest K a request may ask for
+    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids; the servicer adds them as stops
 
 
 class Engine(abc.ABC):

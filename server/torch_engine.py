@@ -125,6 +125,7 @@ class TorchEngine(Engine):
             vocab_size=int(config.vocab_size),
             max_model_len=int(config.max_position_embeddings),
             max_logprobs=int(max_logprobs),
+            eos_token_ids=_eos_ids(self.model_dir, config),
         )
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -517,3 +518,17 @@ class TorchEngine(Engine):
         # RuntimeError: the consumer's event loop is closed, so nobody is left to read it.
         with contextlib.suppress(RuntimeError):
             handle.loop.call_soon_threadsafe(handle.queue.put_nowait, item)
+
+
+def _eos_ids(model_dir: Path, config) -> tuple[int, ...]:
+    """End-of-sequence ids from generation_config.json, else config.json (an int or a list in either)."""
+    import transformers
+    try:
+        eos = transformers.GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(x) for x in (eos if isinstance(eos, (list, tuple)) else [eos]))

@@ -32,6 +32,7 @@ class Caps:
     max_logprobs: int
     max_tokens: int
     max_n: int
+    eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, engine: EngineLimits, *, max_logprobs: int, max_tokens: int, max_n: int) -> Caps:
@@ -41,6 +42,7 @@ class Caps:
             max_logprobs=min(max_logprobs, engine.max_logprobs, engine.vocab_size),
             max_tokens=max_tokens,
             max_n=max_n,
+            eos_token_ids=tuple(engine.eos_token_ids),
         )
 
 
@@ -124,7 +126,10 @@ def sampling_params(prompt: np.ndarray, o: SamplingOptions, caps: Caps) -> Sampl
         top_k=max(o.top_k, 0),  # -1 and 0 both mean off; engines and records use 0
         logprobs_k=o.logprobs_k,
         seed=o.seed,
-        stop_token_ids=tuple(dict.fromkeys(o.stop_token_ids)),
+        # One rule for both engines: they stop only on these ids, so the model's EOS is added here.
+        stop_token_ids=tuple(
+            dict.fromkeys((*o.stop_token_ids, *(() if o.ignore_eos else caps.eos_token_ids)))
+        ),
     )
 
 

@@ -26,7 +26,9 @@ def token_server(server_loop, torch_engine, tiny_model_dir):  # noqa: F811
 async def _every_rpc(c: RolloutClient) -> dict[str, object]:
     """Each RPC's result, or the status code it failed with."""
     calls = {
-        "Generate": lambda: c.generate_record(PROMPT, SamplingOptions(max_tokens=2, logprobs_k=1)),
+        "Generate": lambda: c.generate_record(
+            PROMPT, SamplingOptions(max_tokens=2, logprobs_k=1, ignore_eos=True)
+        ),
         "GetInfo": c.info,
         "UpdateWeights": lambda: c.update_weights(1, "/nonexistent"),
     }
@@ -109,7 +111,7 @@ def test_tls_client_trusting_the_certificate_is_served(tls_server, self_signed):
     async def main():
         roots = self_signed[0].read_bytes()
         async with RolloutClient(tls_server.address, token=TOKEN, root_certs=roots) as c:
-            return await c.generate_record(PROMPT, SamplingOptions(max_tokens=3))
+            return await c.generate_record(PROMPT, SamplingOptions(max_tokens=3, ignore_eos=True))
 
     assert asyncio.run(main()).num_tokens == 3
 

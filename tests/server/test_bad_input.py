@@ -45,7 +45,9 @@ def assert_refused_then_served(
     async def main():
         err = await _raw_generate(address, req)
         async with RolloutClient(address) as c:
-            rec = await c.generate_record(PROMPT, SamplingOptions(max_tokens=3, logprobs_k=2))
+            rec = await c.generate_record(
+                PROMPT, SamplingOptions(max_tokens=3, logprobs_k=2, ignore_eos=True)
+            )
         return err, rec
 
     err, rec = asyncio.run(main())

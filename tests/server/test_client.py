@@ -35,7 +35,7 @@ def test_sync_client_break_cancels_the_call(torch_server, torch_engine):  # noqa
     wait_until(lambda: torch_engine.num_active == 0, what="an idle engine")
     steps = torch_engine.decode_steps
     with SyncRolloutClient(torch_server.address) as c:
-        stream = c.generate(PROMPT, SamplingOptions(max_tokens=900))
+        stream = c.generate(PROMPT, SamplingOptions(max_tokens=900, ignore_eos=True))
         next(stream)
         stream.close()
         wait_until(lambda: torch_engine.num_active == 0, what="the engine to drop the cancelled row")

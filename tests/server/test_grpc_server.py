@@ -19,7 +19,9 @@ PROMPT = [256, 72, 101, 108, 108, 111]  # <bos> "Hello"
 
 
 def test_streamed_chunks_reassemble_to_exactly_the_final_record(torch_server, tiny_model_dir):  # noqa: F811
-    opts = SamplingOptions(max_tokens=24, logprobs_k=5, n=4, seed=3, temperature=0.8, top_k=40, top_p=0.95)
+    opts = SamplingOptions(
+        max_tokens=24, logprobs_k=5, n=4, seed=3, temperature=0.8, top_k=40, top_p=0.95, ignore_eos=True
+    )
 
     async def main():
         async with RolloutClient(torch_server.address) as c:
@@ -88,7 +90,7 @@ def test_sampled_and_topk_logprobs_match_a_trainer_side_recompute(torch_server, 
 
 def test_16_concurrent_streams_all_finish_and_match_their_sequential_runs(torch_server):  # noqa: F811
     def opts(seed):
-        return SamplingOptions(max_tokens=40, logprobs_k=4, seed=seed)
+        return SamplingOptions(max_tokens=40, logprobs_k=4, seed=seed, ignore_eos=True)
 
     async def main():
         async with RolloutClient(torch_server.address) as c:
@@ -112,7 +114,7 @@ def test_breaking_out_of_a_stream_frees_the_engine_request(torch_server, torch_e
     async def main():
         async with RolloutClient(torch_server.address) as c:
             seen = 0
-            async for ch in c.generate(PROMPT, SamplingOptions(max_tokens=900, n=2)):
+            async for ch in c.generate(PROMPT, SamplingOptions(max_tokens=900, n=2, ignore_eos=True)):
                 seen += len(ch.token_ids)
                 if seen >= 4:
                     break

@@ -73,7 +73,9 @@ def test_sigterm_lets_in_flight_streams_finish_and_exits_0(serve):
     async def main():
         async with RolloutClient(s.address) as c:
             assembler, rec, during = RecordAssembler(), None, None
-            async for ch in c.generate(PROMPT, SamplingOptions(max_tokens=300, logprobs_k=2)):
+            async for ch in c.generate(
+                PROMPT, SamplingOptions(max_tokens=300, logprobs_k=2, ignore_eos=True)
+            ):
                 if during is None:
                     s.proc.send_signal(signal.SIGTERM)
                     await asyncio.sleep(0.2)
@@ -98,7 +100,7 @@ def test_sigterm_past_the_drain_timeout_ends_streams_with_abort_records(serve):
     async def main():
         async with RolloutClient(s.address) as c:
             assembler, records, signalled = RecordAssembler(), [], False
-            async for ch in c.generate(PROMPT, SamplingOptions(max_tokens=1000, n=2)):
+            async for ch in c.generate(PROMPT, SamplingOptions(max_tokens=1000, n=2, ignore_eos=True)):
                 if not signalled:
                     s.proc.send_signal(signal.SIGTERM)
                     signalled = True

@@ -383,3 +383,10 @@ def test_update_weights_between_steps(tiny_model_dir, hf_model, tmp_path) -> Non
         asyncio.run(scenario())
     finally:
         asyncio.run(eng.close())
+
+
+def test_engine_reports_the_model_eos(tiny_model_dir):
+    from maskroll.server.model_init import EOS_ID
+    from maskroll.server.torch_engine import TorchEngine
+
+    assert TorchEngine(tiny_model_dir, threads=1).limits.eos_token_ids == (EOS_ID,)

@@ -19,7 +19,7 @@ from maskroll.client._proto import rollout_pb2 as pb
 from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
 
 PROMPT = [256, 84, 104, 101]  # <bos> "The"
-OPTS = SamplingOptions(max_tokens=12, logprobs_k=5, seed=5)
+OPTS = SamplingOptions(max_tokens=12, logprobs_k=5, seed=5, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,9 @@ def test_in_flight_stream_sees_the_version_change_at_a_token_index(server, weigh
     async def fn(c):
         v = (await c.info()).policy_version + 1
         assembler, per_token, result = RecordAssembler(), [], None
-        async for ch in c.generate(PROMPT, SamplingOptions(max_tokens=600, logprobs_k=3, seed=1)):
+        async for ch in c.generate(
+            PROMPT, SamplingOptions(max_tokens=600, logprobs_k=3, seed=1, ignore_eos=True)
+        ):
             per_token += [ch.policy_version] * len(ch.token_ids)
             if result is None and per_token:
                 result = await c.update_weights(v, weights / f"v{1 if v % 2 else 2}")

@@ -120,3 +120,14 @@ def test_engine_requests_number_the_samples_and_offset_the_seed():
         "u", PROMPT, sampling_params(PROMPT, SamplingOptions(max_tokens=3, n=2), CAPS), 2
     )
     assert [q.params.seed for q in unseeded] == [None, None]
+
+
+def test_model_eos_stops_unless_ignored():
+    caps = Caps(
+        vocab_size=100, max_model_len=64, max_logprobs=20, max_tokens=50, max_n=8, eos_token_ids=(99,)
+    )
+    prompt = np.array([1, 2], np.int32)
+    p = sampling_params(prompt, SamplingOptions(max_tokens=5, stop_token_ids=(7, 99)), caps)
+    assert p.stop_token_ids == (7, 99)  # no duplicate
+    assert sampling_params(prompt, SamplingOptions(max_tokens=5), caps).stop_token_ids == (99,)
+    assert sampling_params(prompt, SamplingOptions(max_tokens=5, ignore_eos=True), caps).stop_token_ids == ()
