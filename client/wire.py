@@ -92,6 +92,7 @@ def generate_request(
     group_id: str = "",
     metadata: dict[str, str] | None = None,
     include_record_arrays: bool = False,
+    rollout_stream: str = "",
 ) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         prompt_token_ids=pack(np.asarray(prompt_ids), _I32),
@@ -101,6 +102,7 @@ def generate_request(
         group_id=group_id,
         metadata=metadata or {},
         include_record_arrays=include_record_arrays,
+        rollout_stream=rollout_stream,
     )
 
 

@@ -1,9 +1,10 @@
 """One replica's gRPC server: build it from a ServerConfig, run it, drain it on SIGTERM / SIGINT.
 
 `start()` starts the engine, binds the port (0 = a free one; the bound port is returned), registers the
-rollout and standard health services, and serves metrics when configured. `Replica.drain()` is the
-graceful stop: health → NOT_SERVING, no new requests, in-flight streams run on for up to
-drain_timeout_s, then end with finish_reason "abort", then the engine closes.
+rollout and standard health services, serves metrics when configured, and with `redis_url` + `pull`
+consumes prompt jobs from Redis. `Replica.drain()` is the graceful stop: health → NOT_SERVING, no new
+requests or jobs, in-flight streams and jobs run on for up to drain_timeout_s (streams then end with
+finish_reason "abort"; unfinished jobs stay pending in Redis for another replica), then the engine closes.
 """
 
 from __future__ import annotations
@@ -19,11 +20,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # the asyncio HealthServicer
 
 from maskroll.client._proto import rollout_pb2, rollout_pb2_grpc
+from maskroll.client.streams import StreamKeys
 
 from .auth import BearerTokenInterceptor, server_credentials
 from .config import ServerConfig
 from .engine import Engine
+from .jobs import JobRunner
 from .metrics import Metrics
+from .publisher import RolloutPublisher
+from .puller import PromptPuller
 from .servicer import RolloutServicer
 
 log = logging.getLogger(__name__)
@@ -55,6 +60,9 @@ class Replica:
     owns_engine: bool
     _httpd: object | None = None
     _drained: bool = False
+    redis: object | None = None  # redis.asyncio.Redis when redis_url is set
+    puller: PromptPuller | None = None
+    _puller_task: asyncio.Task | None = None
 
     @property
     def address(self) -> str:
@@ -71,6 +79,15 @@ class Replica:
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         await self.health.enter_graceful_shutdown()  # NOT_SERVING for every service, permanently
         self.servicer.begin_drain()
+        started = asyncio.get_running_loop().time()
+        if self.puller is not None:
+            self.puller.stop()
+            left = await self.puller.drain(timeout_s)
+            if left:
+                log.warning("drain: %d jobs unfinished; left pending in Redis for another replica", left)
+            await asyncio.gather(self._puller_task, return_exceptions=True)
+            await self.puller.unregister()
+            timeout_s = max(0.0, timeout_s - (asyncio.get_running_loop().time() - started))
         if not await self.servicer.wait_idle(timeout_s):
             log.warning(
                 "drain: %d requests still running after %.1f s; aborting", self.servicer.in_flight, timeout_s
@@ -85,6 +102,8 @@ class Replica:
         if self._httpd is not None:
             await asyncio.to_thread(self._httpd.shutdown)  # blocks until its serve loop notices
             self._httpd.server_close()
+        if self.redis is not None:
+            await self.redis.aclose()
 
 
 async def start(config: ServerConfig, engine: Engine | None = None) -> Replica:
@@ -106,7 +125,19 @@ async def start(config: ServerConfig, engine: Engine | None = None) -> Replica:
 
 async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool) -> Replica:
     metrics = Metrics()
-    servicer = RolloutServicer(engine, config, metrics)
+    redis, publisher = None, None
+    if config.redis is not None:
+        from maskroll.client.queue import connect
+
+        redis = connect(config.redis)
+        publisher = RolloutPublisher(
+            redis,
+            StreamKeys(config.namespace).rollouts,
+            max_len=config.rollout_stream_max_len,
+            wait_timeout_s=config.publish_wait_s,
+            metrics=metrics,
+        )
+    servicer = RolloutServicer(engine, config, metrics, publisher)
     health = health_aio.HealthServicer()
     interceptors = []
     if config.token:
@@ -142,7 +173,26 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
     httpd, metrics_port = None, None
     if config.metrics_port is not None:
         httpd, metrics_port = metrics.serve_http(config.host, config.metrics_port)
-    return Replica(
+    puller = None
+    if config.pull:
+        address = config.advertise_address or _hostport(config.host, port)
+        puller = PromptPuller(
+            redis,
+            StreamKeys(config.namespace),
+            config.replica_id,
+            JobRunner(engine, config),
+            publisher,
+            concurrency=config.pull_concurrency,
+            claim_idle_s=config.claim_idle_s,
+            heartbeat_ttl_s=config.heartbeat_ttl_s,
+            replica_info=lambda: {
+                "address": address,
+                "engine": engine.name,
+                "model": engine.model_id,
+                "policy_version": engine.policy_version,
+            },
+        )
+    replica = Replica(
         config=config,
         engine=engine,
         servicer=servicer,
@@ -153,16 +203,22 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
         metrics_port=metrics_port,
         owns_engine=owns_engine,
         _httpd=httpd,
+        redis=redis,
+        puller=puller,
     )
+    if puller is not None:
+        replica._puller_task = asyncio.create_task(puller.run(), name="prompt-puller")
+    return replica
 
 
 def ready_line(r: Replica) -> str:
     metrics = f"http://{_hostport(r.config.host, r.metrics_port)}/metrics" if r.metrics_port else "off"
     tls = "tls" if r.config.tls_cert else "plaintext"
     auth = "token" if r.config.token else "no auth"
+    pull = f"; pulling jobs from namespace {r.config.namespace!r}" if r.puller is not None else ""
     return (
         f"maskroll serve: ready on {r.address} ({tls}, {auth}; engine {r.engine.name} {r.engine.version}, "
-        f"model {r.engine.model_id}, policy version {r.engine.policy_version}; metrics {metrics})"
+        f"model {r.engine.model_id}, policy version {r.engine.policy_version}; metrics {metrics}{pull})"
     )
 
 

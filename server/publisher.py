@@ -14,22 +14,13 @@ import time
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
-from prometheus_client import Counter, Histogram
 from redis.exceptions import ResponseError
 
 from maskroll.client import wire
 from maskroll.client.records import PromptJob, RolloutRecord
 from maskroll.client.streams import F_JOB_ERROR, F_REASON, F_RECORD
 
-PUBLISHED = Counter("maskroll_published_records_total", "Rollout records published to Redis")
-PUBLISH_BYTES = Counter("maskroll_published_bytes_total", "Bytes of rollout records published to Redis")
-BACKPRESSURE = Counter(
-    "maskroll_publish_backpressure_waits_total", "Waits because the rollout stream was full"
-)
-PUBLISH_FAILURES = Counter(
-    "maskroll_publish_failures_total", "Publishes that gave up (job left for redelivery)"
-)
-PUBLISH_SECONDS = Histogram("maskroll_publish_seconds", "Time to publish one job's records, waits included")
+from .metrics import Metrics
 
 
 class PublishTimeout(TimeoutError):
@@ -45,7 +36,9 @@ class RolloutPublisher:
         max_len: int = 100_000,
         wait_timeout_s: float = 600.0,
         poll_s: float = 0.25,
+        metrics: Metrics | None = None,
     ) -> None:
+        self.metrics = metrics or Metrics()
         self.redis = redis
         self.stream = stream
         self.max_len = max_len
@@ -70,17 +63,17 @@ class RolloutPublisher:
                         raise
                     ids = None  # Redis is full: same as a full stream, wait for consumers
                 if ids is not None:
-                    PUBLISHED.inc(len(payloads))
-                    PUBLISH_BYTES.inc(sum(map(len, payloads)))
-                    PUBLISH_SECONDS.observe(time.monotonic() - started)
+                    self.metrics.published.inc(len(payloads))
+                    self.metrics.published_bytes.inc(sum(map(len, payloads)))
+                    self.metrics.publish_seconds.observe(time.monotonic() - started)
                     return ids
             if time.monotonic() >= deadline:
-                PUBLISH_FAILURES.inc()
+                self.metrics.publish_failures.inc()
                 raise PublishTimeout(
                     f"rollout stream {stream} stayed full ({self.max_len} unconsumed entries or Redis OOM) "
                     f"for {self.wait_timeout_s} s; the job stays pending for redelivery"
                 )
-            BACKPRESSURE.inc()
+            self.metrics.backpressure.inc()
             await asyncio.sleep(self.poll_s)
 
     async def publish_job_error(self, job: PromptJob, reason: str, stream: str | None = None) -> None:

@@ -16,20 +16,19 @@ import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
-from prometheus_client import Counter, Gauge
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from maskroll.client import wire
 from maskroll.client.queue import ensure_group
 from maskroll.client.records import PromptJob, RolloutRecord
 from maskroll.client.streams import F_JOB, REPLICA_GROUP, StreamKeys
 
+from .metrics import Metrics
 from .publisher import RolloutPublisher
 
 log = logging.getLogger("maskroll.puller")
-
-JOBS_DONE = Counter("maskroll_pull_jobs_total", "Prompt jobs finished by this replica", ["outcome"])
-JOBS_RECLAIMED = Counter("maskroll_pull_jobs_reclaimed_total", "Jobs reclaimed from replicas that went idle")
-JOBS_ACTIVE = Gauge("maskroll_pull_jobs_active", "Prompt jobs this replica is generating")
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
 
 class JobRejected(ValueError):
@@ -52,7 +51,9 @@ class PromptPuller:
         claim_idle_s: float = 60.0,
         heartbeat_ttl_s: float = 15.0,
         replica_info: Callable[[], dict] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
+        self.metrics = metrics or publisher.metrics
         self.redis, self.keys, self.consumer = redis, keys, consumer
         self.run_job, self.publisher = run_job, publisher
         self.concurrency = concurrency
@@ -73,26 +74,37 @@ class PromptPuller:
                 if free <= 0:
                     await asyncio.sleep(0.05)
                     continue
-                entries = []
-                if time.monotonic() >= next_claim:
-                    next_claim = time.monotonic() + max(0.5, self.claim_idle_ms / 4000)
-                    _, claimed, *_ = await self.redis.xautoclaim(
-                        self.keys.prompts, REPLICA_GROUP, self.consumer, self.claim_idle_ms, "0-0", count=free
-                    )
-                    entries = [e for e in claimed if e is not None]
-                    JOBS_RECLAIMED.inc(len(entries))
-                if not entries:
-                    resp = await self.redis.xreadgroup(
-                        REPLICA_GROUP, self.consumer, {self.keys.prompts: ">"}, count=free, block=500
-                    )
-                    entries = resp[0][1] if resp else []
-                for entry_id, fields in entries:
-                    if entry_id not in self._active:
-                        self._active[entry_id] = asyncio.create_task(self._handle(entry_id, fields))
-                        JOBS_ACTIVE.set(len(self._active))
+                try:
+                    next_claim = await self._take_jobs(free, next_claim)
+                except REDIS_DOWN:
+                    # The client already retried with backoff; keep trying: the replica recovers
+                    # when Redis returns, and running jobs go on meanwhile.
+                    log.warning("prompt stream unreachable; retrying", exc_info=True)
+                    await asyncio.sleep(1.0)
         finally:
             beat.cancel()
             await asyncio.gather(beat, return_exceptions=True)
+
+    async def _take_jobs(self, free: int, next_claim: float) -> float:
+        """Reclaim idle jobs (at most every claim_idle/4) or read new ones; start a task per job."""
+        entries = []
+        if time.monotonic() >= next_claim:
+            next_claim = time.monotonic() + max(0.5, self.claim_idle_ms / 4000)
+            _, claimed, *_ = await self.redis.xautoclaim(
+                self.keys.prompts, REPLICA_GROUP, self.consumer, self.claim_idle_ms, "0-0", count=free
+            )
+            entries = [e for e in claimed if e is not None]
+            self.metrics.jobs_reclaimed.inc(len(entries))
+        if not entries:
+            resp = await self.redis.xreadgroup(
+                REPLICA_GROUP, self.consumer, {self.keys.prompts: ">"}, count=free, block=500
+            )
+            entries = resp[0][1] if resp else []
+        for entry_id, fields in entries:
+            if entry_id not in self._active:
+                self._active[entry_id] = asyncio.create_task(self._handle(entry_id, fields))
+                self.metrics.jobs_active.set(len(self._active))
+        return next_claim
 
     def stop(self) -> None:
         """Stop taking jobs; running ones finish (see drain)."""
@@ -116,27 +128,27 @@ class PromptPuller:
                 job = wire.decode_job(fields.get(F_JOB, b""))
             except wire.WireError as e:
                 await self._dead_letter(entry_id, fields, str(e))
-                JOBS_DONE.labels("malformed").inc()
+                self.metrics.jobs.labels("malformed").inc()
                 return
             try:
                 records = await self.run_job(job)
             except JobRejected as e:
                 await self.publisher.publish_job_error(job, str(e))
                 await self._ack(entry_id)
-                JOBS_DONE.labels("rejected").inc()
+                self.metrics.jobs.labels("rejected").inc()
                 return
             await self.publisher.publish(records, job.rollout_stream or None)
             await self._ack(entry_id)  # only after the records are safely in Redis
-            JOBS_DONE.labels("ok").inc()
+            self.metrics.jobs.labels("ok").inc()
         except asyncio.CancelledError:
             raise  # drain: the job stays pending and another replica (or we) reclaim it
         except Exception:
             # engine or Redis trouble: leave the job pending, it is reclaimed after the idle timeout
             log.exception("job %s failed; left pending for redelivery", entry_id)
-            JOBS_DONE.labels("error").inc()
+            self.metrics.jobs.labels("error").inc()
         finally:
             self._active.pop(entry_id, None)
-            JOBS_ACTIVE.set(len(self._active))
+            self.metrics.jobs_active.set(len(self._active))
 
     async def _ack(self, entry_id: bytes) -> None:
         pipe = self.redis.pipeline(transaction=True)

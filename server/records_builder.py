@@ -71,6 +71,7 @@ class RecordHeader:
     prompt_ids: np.ndarray  # int32 [P]
     semantics: Semantics
     replica_id: str
+    group_size: int = 1  # samples of this request / job (n)
 
 
 def build_record(
@@ -110,6 +111,7 @@ def build_record(
         metadata=dict(header.metadata),
         replica_id=header.replica_id,
         created_at=created_at,
+        group_size=header.group_size,
     )
 
 

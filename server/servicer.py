@@ -29,6 +29,7 @@ from .errors import (
 )
 from .fanout import FanOut
 from .metrics import Metrics
+from .publisher import RolloutPublisher
 from .records_builder import RecordHeader, SampleBuilder, semantics_for
 
 
@@ -42,8 +43,15 @@ def maskroll_version() -> str:
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
-    def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: ServerConfig,
+        metrics: Metrics,
+        publisher: RolloutPublisher | None = None,
+    ) -> None:
         self._engine = engine
+        self._publisher = publisher
         self._config = config
         self._metrics = metrics
         self._caps = validation.Caps.of(
@@ -71,6 +79,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         validation.check_prompt(prompt, self._caps)
         options = wire.options_from_pb(request.options)
         params = validation.sampling_params(prompt, options, self._caps)
+        if request.rollout_stream and self._publisher is None:
+            raise FailedPrecondition("rollout_stream needs a server started with redis_url")
         request_id = request.request_id or validation.new_request_id()
         if request_id in self._active:
             raise AlreadyExists(f"request_id {request_id!r} is already in flight on this replica")
@@ -84,8 +94,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             prompt_ids=prompt,
             semantics=semantics_for(params, engine=e.name, engine_version=e.version, model=e.model_id),
             replica_id=self._config.replica_id,
+            group_size=options.n,
         )
         samples = [SampleBuilder(header, i) for i in range(options.n)]
+        finished = []  # records, published to request.rollout_stream once the request is complete
         arrays = request.include_record_arrays
         fan = FanOut(e, validation.engine_requests(request_id, prompt, params, options.n))
         tracker = self._metrics.generate_started(params.logprobs_k)
@@ -100,6 +112,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     else:
                         continue
                     tracker.tokens(len(chunk.token_ids))
+                    if chunk.record is not None:
+                        finished.append(chunk.record)
                     yield wire.chunk_to_pb(chunk, record_arrays=arrays)
             # Reached with unfinished samples only when the drain aborted us: their engine requests are
             # cancelled by now; each still gets its last chunk, with finish_reason "abort".
@@ -107,6 +121,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 if not sample.finished:
                     chunk = sample.abort(current_version=e.policy_version, now=time.time())
                     yield wire.chunk_to_pb(chunk, record_arrays=arrays)
+            # A group with aborted samples would never be whole on the queue: it is not published.
+            if request.rollout_stream and all(r.finish_reason != "abort" for r in finished):
+                await self._publisher.publish(finished, request.rollout_stream)
         finally:
             self._untrack(request_id)
             tracker.done()

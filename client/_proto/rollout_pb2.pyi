@@ -42,7 +42,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., logprobs_k: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "options", "request_id", "job_id", "group_id", "metadata", "include_record_arrays")
+    __slots__ = ("prompt_token_ids", "options", "request_id", "job_id", "group_id", "metadata", "include_record_arrays", "rollout_stream")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class GenerateRequest(_message.Message):
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_RECORD_ARRAYS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_STREAM_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: bytes
     options: SamplingOptions
     request_id: str
@@ -64,7 +65,8 @@ class GenerateRequest(_message.Message):
     group_id: str
     metadata: _containers.ScalarMap[str, str]
     include_record_arrays: bool
-    def __init__(self, prompt_token_ids: _Optional[bytes] = ..., options: _Optional[_Union[SamplingOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., include_record_arrays: _Optional[bool] = ...) -> None: ...
+    rollout_stream: str
+    def __init__(self, prompt_token_ids: _Optional[bytes] = ..., options: _Optional[_Union[SamplingOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., include_record_arrays: _Optional[bool] = ..., rollout_stream: _Optional[str] = ...) -> None: ...
 
 class Semantics(_message.Message):
     __slots__ = ("logprobs_mode", "temperature", "top_p", "top_k", "logprobs_k", "engine", "engine_version", "model")

@@ -1,0 +1,209 @@
+"""Independently scaled replicas, for real: `maskroll serve --pull` processes (torch engine), a real
+Redis, the trainer SDK. A replica killed with SIGKILL while it holds jobs loses nothing and duplicates
+nothing; a trainer that dies before acking leaves its records to the next; Redis restarted mid-run
+(AOF) keeps what was acked acked and what was not pending.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+import redis
+
+from maskroll.client.local_redis import LocalRedis
+from maskroll.client.queue import RolloutQueue
+from maskroll.client.records import SamplingOptions
+from maskroll.client.streams import REPLICA_GROUP, StreamKeys
+from maskroll.server.model_init import encode_text, init_model
+
+pytestmark = pytest.mark.slow
+
+OPTS = SamplingOptions(max_tokens=12, logprobs_k=4, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return init_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+class Replicas:
+    """`maskroll serve --pull` subprocesses; only the processes started here are ever signalled."""
+
+    def __init__(self, model_dir, url: str, namespace: str) -> None:
+        self.model_dir, self.url, self.namespace = model_dir, url, namespace
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASKROLL_REDIS_URL": self.url}
+        cmd = [
+            sys.executable,
+            "-m",
+            "maskroll.server.cli",
+            "serve",
+            "--model",
+            str(self.model_dir),
+            "--engine",
+            "torch",
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--namespace",
+            self.namespace,
+            "--pull",
+            "--replica-id",
+            name,
+            "--claim-idle-s",
+            "2",
+            "--heartbeat-ttl-s",
+            "3",
+            "--pull-concurrency",
+            "4",
+            "--drain-timeout-s",
+            "5",
+        ]
+        self.procs[name] = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        for name, p in self.procs.items():
+            deadline = time.monotonic() + timeout
+            while True:
+                line = p.stdout.readline()
+                if "ready on" in line:
+                    break
+                if not line and p.poll() is not None:
+                    raise RuntimeError(f"replica {name} exited with {p.returncode}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica {name} not ready after {timeout} s")
+
+    def kill9(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait()
+
+    def stop_all(self) -> dict[str, int]:
+        codes = {}
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name, p in self.procs.items():
+            try:
+                codes[name] = p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes[name] = p.wait()
+        return codes
+
+
+def _pending_of(raw: redis.Redis, keys: StreamKeys, consumer: str) -> list[bytes]:
+    try:
+        return [
+            e["message_id"]
+            for e in raw.xpending_range(keys.prompts, REPLICA_GROUP, "-", "+", 1000, consumername=consumer)
+        ]
+    except redis.ResponseError:
+        return []
+
+
+def _collect(q: RolloutQueue, total: int, timeout: float = 240.0):
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < total:
+        assert time.monotonic() < deadline, f"only {len(got)} of {total} rollouts arrived"
+        batch = q.next_batch(timeout=deadline - time.monotonic())
+        got += batch
+        q.ack(batch)
+    return got
+
+
+def test_sigkill_of_a_replica_holding_jobs_loses_and_duplicates_nothing(model_dir):
+    with LocalRedis(appendonly=True) as srv:
+        ns, keys = "failover", StreamKeys("failover")
+        raw = redis.Redis.from_url(srv.url)
+        reps = Replicas(model_dir, srv.url, ns)
+        for name in ("rep-a", "rep-b", "rep-c"):
+            reps.start(name)
+        try:
+            reps.wait_ready()
+            prompt = encode_text(model_dir, "count:")
+            with RolloutQueue(srv.url, ns, batch_size=16) as q:
+                jobs = [q.submit(prompt, OPTS, n=4) for _ in range(60)]
+                # SIGKILL rep-b as soon as it holds jobs (pending on its consumer, not yet acked)
+                deadline = time.monotonic() + 60
+                while not (held := _pending_of(raw, keys, "rep-b")):
+                    assert time.monotonic() < deadline, "rep-b never took a job"
+                    time.sleep(0.02)
+                reps.kill9("rep-b")
+                orphaned = set(_pending_of(raw, keys, "rep-b")) or set(held)
+                got = _collect(q, 240)
+                stats = q.stats
+            ids = Counter(r.rollout_id for r in got)
+            assert len(got) == 240 and len(ids) == 240, "a rollout was lost or delivered twice"
+            per_job = Counter(r.job_id for r in got)
+            assert set(per_job) == set(jobs) and set(per_job.values()) == {4}
+            by_replica = Counter(r.replica_id for r in got)
+            assert by_replica["rep-a"] > 0 and by_replica["rep-c"] > 0
+            assert orphaned, "the killed replica held no job"
+            # the jobs rep-b held were finished by the survivors after the claim timeout
+            assert raw.xlen(keys.prompts) == 0 and raw.xlen(keys.rollouts) == 0
+            print(
+                f"failover: {dict(by_replica)}; duplicates dropped {stats.duplicates}; "
+                f"orphaned jobs {len(orphaned)}"
+            )
+            # the dead replica drops out of the registry when its heartbeat key expires
+            deadline = time.monotonic() + 10
+            while raw.get(keys.replica("rep-b")) is not None:
+                assert time.monotonic() < deadline, "the killed replica is still registered"
+                time.sleep(0.1)
+            assert raw.get(keys.replica("rep-a")) is not None
+        finally:
+            codes = reps.stop_all()
+        assert codes["rep-a"] == 0 and codes["rep-c"] == 0, codes
+
+
+def test_trainer_death_and_redis_restart_mid_run(model_dir, tmp_path):
+    srv = LocalRedis(appendonly=True, data_dir=tmp_path).start()
+    ns, keys = "restart", StreamKeys("restart")
+    reps = Replicas(model_dir, srv.url, ns)
+    for name in ("rep-x", "rep-y"):
+        reps.start(name)
+    try:
+        reps.wait_ready()
+        prompt = encode_text(model_dir, "abc")
+        q = RolloutQueue(srv.url, ns, batch_size=8, consumer="trainer-1", claim_idle_s=1.0)
+        jobs = [q.submit(prompt, OPTS, n=4) for _ in range(12)]
+        first = q.next_batch(timeout=120)
+        q.ack(first)
+        # a trainer process reads a batch and dies (os._exit) before acking
+        script = (
+            "import json, os, sys\n"
+            "from maskroll.client.queue import RolloutQueue\n"
+            f"q = RolloutQueue({srv.url!r}, {ns!r}, batch_size=8, consumer='doomed')\n"
+            "b = q.next_batch(timeout=120)\n"
+            "print(json.dumps([r.rollout_id for r in b]), flush=True)\n"
+            "os._exit(0)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+        lost = set(json.loads(out.stdout.strip().splitlines()[-1]))
+        assert len(lost) == 8
+        # Redis goes down and comes back (same port, AOF) while the replicas are running
+        srv.restart()
+        rest = _collect(q, 48 - 8, timeout=240)
+        ids = Counter(r.rollout_id for r in first + rest)
+        assert len(ids) == 48 and max(ids.values()) == 1
+        assert lost <= set(ids), "the dead trainer's unacked records were not redelivered"
+        assert {r.job_id for r in first + rest} == set(jobs)
+        raw = redis.Redis.from_url(srv.url)
+        assert raw.xlen(keys.rollouts) == 0 and raw.xlen(keys.prompts) == 0
+        q.close()
+    finally:
+        reps.stop_all()
+        srv.close()
