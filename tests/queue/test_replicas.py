@@ -40,7 +40,7 @@ class Replicas:
         self.model_dir, self.url, self.namespace = model_dir, url, namespace
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str) -> None:
+    def start(self, name: str, *extra: str) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASKROLL_REDIS_URL": self.url}
         cmd = [
             sys.executable,
@@ -68,6 +68,7 @@ class Replicas:
             "4",
             "--drain-timeout-s",
             "5",
+            *extra,
         ]
         self.procs[name] = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -207,3 +208,42 @@ def test_trainer_death_and_redis_restart_mid_run(model_dir, tmp_path):
     finally:
         reps.stop_all()
         srv.close()
+
+
+def test_broadcast_weights_reaches_every_live_replica(model_dir, tmp_path):
+    import shutil
+
+    root = tmp_path / "weights"
+    (root / "v1").mkdir(parents=True)
+    other = init_model(tmp_path / "other", seed=1)  # same architecture, different weights
+    shutil.copy(other / "model.safetensors", root / "v1" / "model.safetensors")
+    with LocalRedis(password="s3cret") as srv:  # a password in the URL reaches every component
+        reps = Replicas(model_dir, srv.url, "weights")
+        for name in ("rep-1", "rep-2"):
+            reps.start(name, "--weights-root", str(root))
+        try:
+            reps.wait_ready()
+            prompt = encode_text(model_dir, "w")
+            with RolloutQueue(srv.url, "weights", batch_size=8) as q:
+                deadline = time.monotonic() + 30
+                while len(q.replicas()) < 2:
+                    assert time.monotonic() < deadline, "replicas did not register"
+                    time.sleep(0.1)
+                results = q.broadcast_weights(1, str(root / "v1"), timeout=60)
+                assert results == {"rep-1": "ok", "rep-2": "ok"}
+                assert q.policy_version == 1
+                bad = q.broadcast_weights(2, str(tmp_path / "outside-the-root"), timeout=60)
+                assert all("PERMISSION_DENIED" in r for r in bad.values()), bad
+                q.set_policy_version(1)
+                for _ in range(2):
+                    q.submit(prompt, OPTS, n=4)
+                batch = q.next_batch(timeout=120)
+                assert {r.policy_version_first for r in batch} == {1}
+                q.ack(batch)
+                deadline = time.monotonic() + 10
+                while {r.policy_version for r in q.replicas()} != {1}:
+                    assert time.monotonic() < deadline, "heartbeats do not report the new version"
+                    time.sleep(0.1)
+        finally:
+            codes = reps.stop_all()
+        assert set(codes.values()) == {0}, codes
