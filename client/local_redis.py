@@ -52,6 +52,7 @@ class LocalRedis:
         self.appendonly = appendonly
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="maskroll-redis-"))
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         self.maxmemory = maxmemory
         self.proc: subprocess.Popen | None = None
 

@@ -523,6 +523,7 @@ class TorchEngine(Engine):
 def _eos_ids(model_dir: Path, config) -> tuple[int, ...]:
     """End-of-sequence ids from generation_config.json, else config.json (an int or a list in either)."""
     import transformers
+
     try:
         eos = transformers.GenerationConfig.from_pretrained(model_dir).eos_token_id
     except OSError:  # no generation_config.json

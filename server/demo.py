@@ -1,0 +1,528 @@
+"""`maskroll demo`: asynchronous RL end to end, on one machine, in a few minutes.
+
+A private Redis, two pull-mode rollout replicas (`maskroll serve --pull`, engine auto: vLLM if
+installed, else the torch engine) on a model made by `init-model`, and a trainer loop in the
+foreground: submit prompts under admission control → consume whole GRPO groups → collate → group
+advantages → compute_masks → policy_loss → Adam → save weights → broadcast_weights → next step, with
+max_staleness = 1 so generation and training overlap. The task (demo_task) is verifiable: write digits.
+
+This module is an application of all three components (it lives beside the CLI, which is the one place
+that spans them); the trainer loop uses only their public APIs, as a user's trainer would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Literal, get_args
+
+from maskroll.trainer_adapter.config import Divergence, Estimator, Method
+
+Engine = Literal["auto", "torch", "vllm"]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    out: Path = Path("maskroll-demo")
+    steps: int = 30
+    seed: int = 0
+    method: Method = "predictive"
+    divergence: Divergence = "topk_kl"
+    estimator: Estimator = "proportional"
+    delta: float | None = None  # default per divergence (MaskConfig)
+    engine: Engine = "auto"
+    replicas: int = 2
+    prompts_per_step: int = 8
+    n: int = 8  # samples per prompt (one GRPO group)
+    max_tokens: int = 16
+    logprobs_k: int = 20
+    temperature: float = 1.0
+    lr: float = 2e-3
+    max_staleness: int = 1
+    eval_prompts: int = 16
+    eval_n: int = 4
+    # --no-spawn: train against an existing Redis and replicas (compose / Kubernetes)
+    spawn: bool = True
+    redis_url: str | None = None
+    namespace: str = "demo"
+    weights_dir: Path | None = None
+    model: Path | None = None  # default: <out>/model, written by init-model
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.n
+
+
+# ---- processes ------------------------------------------------------------------------------------
+
+
+class Cluster:
+    """Redis + pull-mode replicas started by the demo; every process started here is stopped on exit."""
+
+    def __init__(self, cfg: DemoConfig, model: Path, weights: Path, log_dir: Path) -> None:
+        self.cfg, self.model, self.weights, self.log_dir = cfg, model, weights, log_dir
+        self.redis = None
+        self.procs: list[subprocess.Popen] = []
+        self.url = cfg.redis_url
+
+    def __enter__(self) -> Cluster:
+        if not self.cfg.spawn:
+            return self
+        from maskroll.client.local_redis import LocalRedis
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.redis = LocalRedis(appendonly=False, data_dir=self.log_dir / "redis").start()
+        self.url = self.redis.url
+        threads = max(1, (os.cpu_count() or 2) // (self.cfg.replicas + 1))
+        for i in range(self.cfg.replicas):
+            log = open(self.log_dir / f"replica-{i}.log", "w")  # the child keeps its own copy of the fd
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MASKROLL_REDIS_URL": self.url}
+            cmd = [
+                sys.executable,
+                "-m",
+                "maskroll.server.cli",
+                "serve",
+                "--model",
+                str(self.model),
+                "--engine",
+                self.cfg.engine,
+                "--port",
+                "0",
+                "--threads",
+                str(threads),
+                "--namespace",
+                self.cfg.namespace,
+                "--pull",
+                "--replica-id",
+                f"demo-replica-{i}",
+                "--weights-root",
+                str(self.weights),
+                "--max-logprobs",
+                str(self.cfg.logprobs_k),
+                "--drain-timeout-s",
+                "5",
+            ]
+            self.procs.append(
+                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            )
+            log.close()
+        return self
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        for i, p in enumerate(self.procs):
+            path = self.log_dir / f"replica-{i}.log"
+            while "ready on" not in path.read_text(errors="replace"):
+                if p.poll() is not None:
+                    tail = path.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"replica {i} exited with {p.returncode}:\n{tail}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica {i} not ready after {timeout} s (log: {path})")
+                time.sleep(0.2)
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.redis is not None:
+            self.redis.close()
+
+
+# ---- the trainer loop -------------------------------------------------------------------------------
+
+
+@dataclass
+class StepLog:
+    step: int
+    reward: float
+    mask_frac: float
+    far_frac: float
+    divergence_mean: float
+    mismatch_kl: float
+    staleness: float
+    policy_version: int
+    tokens_per_s: float
+    loss: float
+    agree_ratio_far: float
+    agree_predictive_far: float
+    agree_ratio_all: float
+    agree_predictive_all: float
+    disagreement_frac_far: float
+    seconds: float
+    replicas: dict[str, int] = field(default_factory=dict)
+
+
+def _mask_config(cfg: DemoConfig):
+    from maskroll.trainer_adapter import MaskConfig
+
+    kw = {} if cfg.delta is None else {"delta": cfg.delta}
+    return MaskConfig(method=cfg.method, divergence=cfg.divergence, estimator=cfg.estimator, **kw)
+
+
+def _evaluate(address: str, tok_prompts: list[list[int]], cfg: DemoConfig) -> float:
+    """Mean reward on held-out prompts, sampled by one replica at its current weights."""
+    from maskroll.client import SamplingOptions, SyncRolloutClient
+
+    from .demo_task import digit_reward
+
+    opts = SamplingOptions(
+        max_tokens=cfg.max_tokens,
+        logprobs_k=0,
+        temperature=cfg.temperature,
+        n=cfg.eval_n,
+        seed=cfg.seed + 777,
+    )
+    rewards = []
+    with SyncRolloutClient(address) as c:
+        for p in tok_prompts:
+            rewards += [digit_reward(r.completion_ids, cfg.max_tokens) for r in c.generate_records(p, opts)]
+    return sum(rewards) / len(rewards)
+
+
+def _progress(step: int, total: int, log: StepLog) -> str:
+    width = 20
+    done = int(width * step / total)
+    bar = "█" * done + "·" * (width - done)
+    return (
+        f"[{bar}] step {step:3d}/{total}  reward {log.reward:.3f}  masked {log.mask_frac:6.2%}  "
+        f"D {log.divergence_mean:.4f}  mismatch KL {log.mismatch_kl:.4f}  stale {log.staleness:.2f}  "
+        f"v{log.policy_version}  {log.tokens_per_s:6.0f} tok/s"
+    )
+
+
+def train(cfg: DemoConfig) -> dict:
+    """Run one demo (cluster up, train, evaluate, cluster down); returns the summary dict."""
+    import numpy as np
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from maskroll.client import SamplingOptions, SyncRolloutClient
+    from maskroll.client.queue import RolloutQueue
+    from maskroll.trainer_adapter import (
+        collate,
+        compute_masks,
+        direction_agreement,
+        policy_loss,
+        token_logprobs,
+    )
+
+    from .demo_task import digit_reward, held_out, prompts
+    from .model_init import encode_text, init_model
+
+    out = cfg.out
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = cfg.model or out / "model"
+    if cfg.model is None and not (model_dir / "config.json").exists():
+        init_model(model_dir, seed=cfg.seed)
+    weights = (cfg.weights_dir or out / "weights").resolve()
+    if cfg.spawn and weights.exists():
+        shutil.rmtree(weights)  # versions restart at 1 with fresh replicas
+    weights.mkdir(parents=True, exist_ok=True)
+
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(1)
+    rng = random.Random(cfg.seed)
+    mask_cfg = _mask_config(cfg)
+    opts = SamplingOptions(max_tokens=cfg.max_tokens, logprobs_k=cfg.logprobs_k, temperature=cfg.temperature)
+    eval_prompts = [encode_text(model_dir, p) for p in held_out(cfg.eval_prompts)]
+
+    t_start = time.monotonic()
+    print(
+        f"maskroll demo: {cfg.replicas} replicas (engine {cfg.engine}), method {cfg.method} + "
+        f"{cfg.divergence} + {cfg.estimator}, {cfg.steps} steps of {cfg.batch_size} rollouts -> {out}/",
+        flush=True,
+    )
+    with Cluster(cfg, model_dir.resolve(), weights, out / "logs") as cluster:
+        cluster.wait_ready()
+        print(f"  replicas ready after {time.monotonic() - t_start:.0f} s", flush=True)
+        transformers.utils.logging.disable_progress_bar()
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.train()
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        with RolloutQueue(
+            cluster.url, cfg.namespace, batch_size=cfg.batch_size, max_staleness=cfg.max_staleness
+        ) as q:
+            deadline = time.monotonic() + 60
+            while len(reps := q.replicas()) < (cfg.replicas if cfg.spawn else 1):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("replicas did not register in Redis")
+                time.sleep(0.1)
+            eval_address = reps[0].address
+            reward_before = _evaluate(eval_address, eval_prompts, cfg)
+            print(f"  held-out reward before training: {reward_before:.3f}", flush=True)
+
+            def top_up() -> None:  # admission control: at most (max_staleness + 1) × batch in flight
+                while (q.room() or 0) >= cfg.n:
+                    q.submit(encode_text(model_dir, prompts(rng, 1)[0]), opts, n=cfg.n)
+
+            top_up()
+            history: list[StepLog] = []
+            tokens_total, t_train = 0, time.monotonic()
+            for step in range(1, cfg.steps + 1):
+                t0 = time.monotonic()
+                batch = q.next_batch(timeout=300)
+                top_up()  # generation of the next batch overlaps with this step
+                rewards = [digit_reward(r.completion_ids, cfg.max_tokens) for r in batch]
+                b = collate(batch, rewards)
+                s = b.completion_logits_slice
+                logits = model(
+                    input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids
+                ).logits[:, s]  # [B, T, V]
+                lp, stats = token_logprobs(
+                    logits, b.completion_ids, temperature=b.temperature, return_stats=True
+                )
+                res = compute_masks(
+                    logits.detach(),
+                    b.completion_ids,
+                    b.sampled_logprobs,
+                    b.topk_ids,
+                    b.topk_logprobs,
+                    b.advantages,
+                    config=mask_cfg,
+                    temperature=b.temperature,
+                    response_mask=b.response_mask,
+                    vocab_stats=stats,
+                )
+                loss, m = policy_loss(lp, b.sampled_logprobs, b.advantages, res.keep, masks=res)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                with torch.no_grad():  # the realised change of D on the same tokens (MATH.md §7)
+                    after = model(
+                        input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids
+                    ).logits[:, s]
+                    res_after = compute_masks(
+                        after,
+                        b.completion_ids,
+                        b.sampled_logprobs,
+                        b.topk_ids,
+                        b.topk_logprobs,
+                        b.advantages,
+                        config=mask_cfg,
+                        temperature=b.temperature,
+                        response_mask=b.response_mask,
+                    )
+                adv_tok = b.advantages[:, None].expand_as(res.divergence).double()
+                agree = direction_agreement(
+                    adv_tok,
+                    res.divergence.double(),
+                    res_after.divergence.double(),
+                    {"ratio": res.ratio_direction, "predictive": res.predicted_direction},
+                    res.far,
+                    response_mask=b.response_mask,
+                )
+                q.ack(batch)
+                version = step  # one optimiser step = one policy version
+                ckpt = weights / f"v{version}"
+                ckpt.mkdir(exist_ok=True)
+                save_file(
+                    {k: v.detach().contiguous() for k, v in model.state_dict().items()},
+                    str(ckpt / "model.safetensors"),
+                )
+                results = q.broadcast_weights(version, str(ckpt), timeout=120)
+                failed = {r: e for r, e in results.items() if e != "ok"}
+                if failed:
+                    raise RuntimeError(f"weight update failed on {failed}")
+                old = weights / f"v{version - 2}"
+                if old.exists():
+                    shutil.rmtree(old)
+                tokens_total += int(b.response_mask.sum())
+                log = StepLog(
+                    step=step,
+                    reward=float(np.mean(rewards)),
+                    mask_frac=float(m["mask_frac"]),
+                    far_frac=float(m["far_frac"]),
+                    divergence_mean=float(m["divergence_mean"]),
+                    mismatch_kl=float(m["mismatch_kl"]),
+                    staleness=float((version - 1 - b.policy_versions).double().mean()),
+                    policy_version=version,
+                    tokens_per_s=tokens_total / (time.monotonic() - t_train),
+                    loss=float(loss.detach()),
+                    agree_ratio_far=agree["ratio"]["agree_far"],
+                    agree_predictive_far=agree["predictive"]["agree_far"],
+                    agree_ratio_all=agree["ratio"]["agree_all"],
+                    agree_predictive_all=agree["predictive"]["agree_all"],
+                    disagreement_frac_far=agree["_sets"]["disagreement_frac_far"],
+                    seconds=time.monotonic() - t0,
+                    replicas=dict(__import__("collections").Counter(r.replica_id for r in batch)),
+                )
+                history.append(log)
+                print(_progress(step, cfg.steps, log), flush=True)
+            reward_after = _evaluate(eval_address, eval_prompts, cfg)
+            print(
+                f"  held-out reward after training: {reward_after:.3f} (before: {reward_before:.3f})",
+                flush=True,
+            )
+            replica_versions = {}
+            for rep in q.replicas():  # ask each replica: heartbeats refresh only every few seconds
+                with SyncRolloutClient(rep.address) as c:
+                    replica_versions[rep.replica_id] = c.info().policy_version
+            queue_stats = asdict(q.stats)
+    summary = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "mask_config": asdict(mask_cfg),
+        "reward_before": reward_before,
+        "reward_after": reward_after,
+        "steps": [asdict(h) for h in history],
+        "replica_versions": replica_versions,
+        "queue": queue_stats,
+        "seconds": time.monotonic() - t_start,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+# ---- report ---------------------------------------------------------------------------------------
+
+
+def summary_table(summary: dict) -> str:
+    steps = summary["steps"]
+    first, last = steps[: max(1, len(steps) // 5)], steps[-max(1, len(steps) // 5) :]
+
+    def mean(rows, key):
+        vals = [r[key] for r in rows if r[key] == r[key]]  # drop nan
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    lines = [
+        f"{'':28}{'first steps':>14}{'last steps':>14}",
+        f"{'train reward':28}{mean(first, 'reward'):14.3f}{mean(last, 'reward'):14.3f}",
+        f"{'mask fraction':28}{mean(first, 'mask_frac'):14.2%}{mean(last, 'mask_frac'):14.2%}",
+        f"{'mean divergence':28}{mean(first, 'divergence_mean'):14.4f}{mean(last, 'divergence_mean'):14.4f}",
+        f"{'mismatch KL on S':28}{mean(first, 'mismatch_kl'):14.4f}{mean(last, 'mismatch_kl'):14.4f}",
+        f"{'staleness (versions)':28}{mean(first, 'staleness'):14.2f}{mean(last, 'staleness'):14.2f}",
+        f"{'agreement on far: ratio':28}{mean(steps, 'agree_ratio_far'):14.3f}",
+        f"{'agreement on far: predictive':28}{mean(steps, 'agree_predictive_far'):14.3f}",
+        f"held-out reward: {summary['reward_before']:.3f} before -> {summary['reward_after']:.3f} after; "
+        f"{summary['seconds']:.0f} s in all",
+    ]
+    return "\n".join(lines)
+
+
+def figure(summaries: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    for run, s in summaries.items():
+        name = run if len(summaries) > 1 else ""  # one run: no need to name it in every label
+        steps = [r["step"] for r in s["steps"]]
+        ax[0].plot(steps, [r["reward"] for r in s["steps"]], label=f"{name} train".strip())
+        ax[0].scatter([0, steps[-1]], [s["reward_before"], s["reward_after"]], marker="D", s=30)
+        ax[1].plot(steps, [r["mask_frac"] for r in s["steps"]], label=f"{name} masked".strip())
+        ax[1].plot(
+            steps, [r["far_frac"] for r in s["steps"]], linestyle=":", label=f"{name} far (D > δ)".strip()
+        )
+        ax[2].plot(steps, [r["agree_ratio_far"] for r in s["steps"]], label=f"{name} ratio rule".strip())
+        ax[2].plot(
+            steps, [r["agree_predictive_far"] for r in s["steps"]], label=f"{name} predictive rule".strip()
+        )
+    ax[0].set(title="reward (◆ = held-out before / after)", xlabel="step", ylabel="digit fraction")
+    ax[1].set(title="tokens masked / outside the trust region", xlabel="step", ylabel="fraction")
+    ax[2].set(
+        title="sign agreement with realised ΔD (far tokens)",
+        xlabel="step",
+        ylabel="agreement",
+        ylim=(0, 1.05),
+    )
+    for a in ax:
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+
+
+def parse(argv: list[str]) -> tuple[DemoConfig, bool]:
+    d = DemoConfig()
+    p = argparse.ArgumentParser(prog="maskroll demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=d.out, help="output directory (summary.json, demo.png)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--method", choices=get_args(Method), default=d.method)
+    p.add_argument("--divergence", choices=get_args(Divergence), default=d.divergence)
+    p.add_argument("--estimator", choices=get_args(Estimator), default=d.estimator)
+    p.add_argument("--delta", type=float, default=None, help="trust-region δ (default per divergence)")
+    p.add_argument("--engine", choices=get_args(Engine), default=d.engine)
+    p.add_argument("--replicas", type=int, default=d.replicas)
+    p.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step)
+    p.add_argument("--n", type=int, default=d.n, help="samples per prompt (GRPO group size)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--compare", action="store_true", help="run ppo, dppo and predictive with the same seed")
+    p.add_argument("--no-spawn", action="store_true", help="use an existing Redis and replicas")
+    p.add_argument("--redis-url", default=os.environ.get("MASKROLL_REDIS_URL"))
+    p.add_argument("--namespace", default=d.namespace)
+    p.add_argument("--weights-dir", type=Path, default=None, help="checkpoints (replicas' weights root)")
+    p.add_argument("--model", type=Path, default=None, help="model directory (default: <out>/model)")
+    a = p.parse_args(argv)
+    if a.steps < 1 or a.n < 2 or a.prompts_per_step < 1 or a.replicas < 1 or a.max_tokens < 1:
+        p.error("need steps >= 1, n >= 2 (a group needs two samples), prompts-per-step >= 1, replicas >= 1")
+    if a.no_spawn and not (a.redis_url and a.weights_dir and a.model):
+        p.error("--no-spawn needs --redis-url, --weights-dir (the replicas' weights root) and --model")
+    cfg = DemoConfig(
+        out=a.out,
+        steps=a.steps,
+        seed=a.seed,
+        method=a.method,
+        divergence=a.divergence,
+        estimator=a.estimator,
+        delta=a.delta,
+        engine=a.engine,
+        replicas=a.replicas,
+        prompts_per_step=a.prompts_per_step,
+        n=a.n,
+        max_tokens=a.max_tokens,
+        lr=a.lr,
+        spawn=not a.no_spawn,
+        redis_url=a.redis_url,
+        namespace=a.namespace,
+        weights_dir=a.weights_dir,
+        model=a.model,
+    )
+    return cfg, a.compare
+
+
+def main(argv: list[str]) -> int:
+    cfg, compare = parse(argv)
+    # SIGTERM ends the demo like Ctrl-C: the `with Cluster` blocks stop every process they started.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        if compare:
+            summaries = {}
+            for method in ("ppo", "dppo", "predictive"):
+                run = replace(cfg, method=method, out=cfg.out / method, namespace=f"{cfg.namespace}-{method}")
+                summaries[method] = train(run)
+                print(summary_table(summaries[method]), flush=True)
+            figure(summaries, cfg.out / "demo.png")
+            (cfg.out / "summary.json").write_text(json.dumps(summaries, indent=2))
+        else:
+            summary = train(cfg)
+            figure({cfg.method: summary}, cfg.out / "demo.png")
+            print(summary_table(summary))
+        print(f"wrote {cfg.out}/summary.json and {cfg.out}/demo.png")
+        return 0
+    except KeyboardInterrupt:
+        print("maskroll demo: interrupted; all processes it started were stopped", file=sys.stderr)
+        return 130
