@@ -1,0 +1,464 @@
+"""Cost of the trainer adapter's loss step against the log_softmax + gather + PPO-clip baseline (MATH.md §8).
+
+Measures forward + backward of one policy-loss step on N response tokens with [N, V] logits (float32 or
+bfloat16), for five cases:
+
+    (a)  baseline: log_softmax(ℓ, dtype=float32).gather(a), PPO-clip loss (ε = 0.2 / 0.28), backward
+    (b)  token_logprobs(return_stats=True) → compute_masks(dppo, topk_kl, vocab_stats) → policy_loss
+    (b') the same without vocab_stats: compute_masks makes its own chunked pass over the logits
+    (c)  as (b) with predictive + topk_kl + proportional
+    (c') as (c) without vocab_stats
+
+Each (case, V, dtype) runs in a fresh child process (this script re-invoked with --one), so peaks do not
+mix and RSS starts clean. The child builds its inputs chunk-wise (no [N, V] temporaries), runs one
+warm-up step, then `--reps` timed steps; time is their median. Peak memory: before each timed step the
+kernel's RSS high-water mark is reset (write "5" to /proc/self/clear_refs) and VmHWM is read after it;
+the figure is VmHWM − VmRSS-before-the-step, so the inputs count in neither case. If clear_refs is not
+permitted a thread samples VmRSS every 2 ms instead (reported as the method). The gradient of the
+logits is set to None before every step (as zero_grad(set_to_none=True) does), so every case pays for
+allocating its [N, V] gradient.
+
+Inputs (same seed in every child): logits ~ N(0, 2²); μ = softmax(ℓ + 0.25·ℓ') computed per chunk with
+ℓ' the logits of other rows (noise of σ = 0.5: top-K KL(μ‖π) ≈ 0.017 at V = 32768, 0.008 at
+V = 151936; a few tokens per thousand masked at δ = 0.05); a sampled from μ; top-K ids and logprobs
+of μ. So sampled and top-K logprobs are those of a slightly perturbed policy, as a rollout engine
+returns them; advantages ~ N(0, 1).
+
+    .venv/bin/python bench/adapter.py                  # N = 8192, K = 20, V ∈ {32768, 151936}, f32 + bf16
+    .venv/bin/python bench/adapter.py --quick          # N = 2048, V = 32768
+    .venv/bin/python bench/adapter.py --vocab 32768 --dtype bfloat16 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+# `python bench/adapter.py` puts bench/ first on sys.path, where bench/queue.py (the queue benchmark)
+# would shadow the standard library's `queue` that torch imports. Nothing here imports from bench/.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+CASES = {
+    "a": "baseline: log_softmax + gather + PPO-clip",
+    "b": "dppo + topk_kl, vocab_stats shared",
+    "b'": "dppo + topk_kl, own vocab pass",
+    "c": "predictive + topk_kl + proportional, vocab_stats shared",
+    "c'": "predictive + topk_kl + proportional, own vocab pass",
+}
+TARGET_TIME_RATIO = 1.3  # issue: (b)/(a) and (c)/(a) time
+TARGET_EXTRA_CHUNKS = 1.0  # issue: extra peak over (a) ≤ one [chunk_tokens, V] float32 chunk
+GIB = 1024**3
+
+
+# ---- child: one (case, V, dtype) ------------------------------------------------------------------
+
+
+def _proc_status() -> dict[str, int]:  # bytes
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+class PeakMeter:
+    """Peak RSS of a block above the RSS at its start.
+
+    clear_refs "5" resets VmHWM to the current RSS (Linux ≥ 4.0); where it is refused (some containers)
+    a 2 ms sampling thread stands in, which can miss a peak shorter than that. glibc serves blocks under
+    its mmap threshold (≤ 32 MiB) from a heap it keeps, so peaks of toy sizes (V = 4096) mean little;
+    at the benchmark's sizes every [chunk, V] tensor is ≥ 128 MiB, mmap'd and unmapped on free."""
+
+    def __init__(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.method = "clear_refs+VmHWM"
+        except OSError:
+            self.method = "VmRSS sampled every 2 ms"
+        self.log: list[dict[str, int]] = []
+
+    def measure(self, fn: Callable[[], None]) -> int:
+        before = _proc_status()["VmRSS"]
+        if self.method.startswith("clear_refs"):
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            reset = _proc_status()
+            fn()
+            after = _proc_status()
+            peak = after["VmHWM"]
+            self.log.append({"rss_before": before, "hwm_after_reset": reset["VmHWM"], **after})
+        else:
+            peak, done = before, threading.Event()
+
+            def sample() -> None:
+                nonlocal peak
+                while not done.wait(0.002):
+                    peak = max(peak, _proc_status()["VmRSS"])
+
+            t = threading.Thread(target=sample, daemon=True)
+            t.start()
+            fn()
+            done.set()
+            t.join()
+            peak = max(peak, _proc_status()["VmRSS"])
+        return peak - before
+
+
+def make_inputs(n: int, vocab: int, k: int, dtype, chunk: int, seed: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    # normal_ in place: no float32 temporary of the full size even for bf16 logits.
+    logits = torch.empty(n, vocab, dtype=dtype).normal_(0.0, 2.0, generator=g)  # [N, V]
+    ids = torch.empty(n, dtype=torch.long)
+    sampled_lp = torch.empty(n)
+    topk_ids = torch.empty(n, k, dtype=torch.long)
+    topk_lp = torch.empty(n, k)
+    for start in range(0, n, chunk):
+        rows = torch.arange(start, min(start + chunk, n))
+        # μ = softmax(ℓ + 0.25·ℓ'), ℓ' the logits of other rows: i.i.d. N(0, 4) noise independent of ℓ, so
+        # the perturbation (σ = 0.5) costs no random draws; at V = 151936 fresh [c, V] draws would make
+        # the set-up slower than the benchmark.
+        x = logits[rows].to(torch.float32, copy=True)  # [c, V]
+        x.add_(logits[(rows + n // 2) % n], alpha=0.25)
+        log_mu = x.log_softmax(-1)  # [c, V]
+        topk_lp[rows], topk_ids[rows] = log_mu.topk(k, dim=-1)
+        # a ~ μ by inverse CDF: one uniform per token instead of V Gumbel draws.
+        cdf = torch.exp(log_mu, out=x).cumsum_(-1)  # [c, V]
+        u = torch.rand(len(rows), 1, generator=g) * cdf[:, -1:]
+        ids[rows] = torch.searchsorted(cdf, u).squeeze(-1).clamp_max_(vocab - 1)
+        sampled_lp[rows] = log_mu.gather(-1, ids[rows, None]).squeeze(-1)
+        del x, cdf, log_mu
+    adv = torch.randn(n, generator=g)
+    return {
+        "logits": logits.requires_grad_(),
+        "ids": ids,
+        "slp": sampled_lp,
+        "tid": topk_ids,
+        "tlp": topk_lp,
+        "adv": adv,
+    }
+
+
+def step_fn(case: str, inp: dict, chunk: int) -> Callable[[], dict]:
+    """One forward + backward of `case`; returns a few metrics as floats (sanity, not timing)."""
+    import torch
+
+    from maskroll.trainer_adapter import MaskConfig, compute_masks, policy_loss, token_logprobs
+
+    logits, ids, slp, adv = inp["logits"], inp["ids"], inp["slp"], inp["adv"]
+    if case == "a":
+
+        def baseline() -> dict:
+            lp = torch.log_softmax(logits, -1, dtype=torch.float32).gather(-1, ids[:, None]).squeeze(-1)
+            r = torch.exp(lp - slp)
+            loss = -torch.mean(torch.minimum(r * adv, torch.clamp(r, 1 - 0.2, 1 + 0.28) * adv))
+            loss.backward()
+            return {"loss": loss.item()}
+
+        return baseline
+
+    method = {"b": "dppo", "c": "predictive"}[case[0]]
+    cfg = MaskConfig(
+        method=method, divergence="topk_kl", estimator="proportional", delta=0.05, chunk_tokens=chunk
+    )
+    share = not case.endswith("'")
+
+    def adapter() -> dict:
+        if share:
+            lp, stats = token_logprobs(logits, ids, temperature=1.0, chunk_tokens=chunk, return_stats=True)
+        else:
+            lp, stats = token_logprobs(logits, ids, temperature=1.0, chunk_tokens=chunk), None
+        res = compute_masks(
+            logits.detach(), ids, slp, inp["tid"], inp["tlp"], adv, config=cfg, vocab_stats=stats
+        )
+        loss, metrics = policy_loss(lp, slp, adv, res.keep, is_cap=10.0, masks=res)
+        loss.backward()
+        return {
+            "loss": loss.item(),
+            "mask_frac": metrics["mask_frac"].item(),
+            "mismatch_kl": metrics["mismatch_kl"].item(),
+        }
+
+    return adapter
+
+
+def run_one(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    t0 = time.perf_counter()
+    inp = make_inputs(args.tokens, args.vocab, args.topk, dtype, args.chunk_tokens, args.seed)
+    setup_s = time.perf_counter() - t0
+    step = step_fn(args.one, inp, args.chunk_tokens)
+    meter = PeakMeter()
+    logits = inp["logits"]
+    times, peaks, cpu, info = [], [], [], {}
+    for rep in range(args.reps + 1):  # rep 0 warms up (first-touch of allocator pools, lazy init)
+        logits.grad = None
+        out: dict = {}
+
+        def timed(out: dict = out) -> None:
+            # CPU time split and minor page faults: on CPU every fresh [N, V] tensor is mmap'd and
+            # faulted in page by page, which shows up as system time, not as arithmetic.
+            r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            out.update(step())
+            out["s"] = time.perf_counter() - t
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            out["cpu"] = (r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt)
+
+        peak = meter.measure(timed)
+        seconds, (user, system, faults) = out.pop("s"), out.pop("cpu")
+        if rep:
+            times.append(seconds)
+            peaks.append(peak)
+            cpu.append((user, system, faults))
+            info = out
+        print(
+            f"    ({args.one}) rep {rep}{' (warm-up)' if not rep else ''}: {seconds:.2f}s "
+            f"(user {user:.2f}s, sys {system:.2f}s, {faults / 1e6:.2f}M faults), "
+            f"extra peak {peak / GIB:.2f} GiB",
+            file=sys.stderr,
+            flush=True,
+        )
+    return {
+        "case": args.one,
+        "vocab": args.vocab,
+        "dtype": args.dtype,
+        "tokens": args.tokens,
+        "time_s": statistics.median(times),
+        "time_min_s": min(times),
+        "times_s": times,
+        "user_s": statistics.median(c[0] for c in cpu),
+        "sys_s": statistics.median(c[1] for c in cpu),
+        "minor_faults": statistics.median(c[2] for c in cpu),
+        "extra_peak_bytes": max(peaks),
+        "grad_bytes": logits.numel() * logits.element_size(),
+        "input_rss_bytes": meter.log[0]["rss_before"] if meter.log else None,
+        "setup_s": setup_s,
+        "peak_method": meter.method,
+        "loadavg": os.getloadavg(),  # a shared machine: the neighbours' load at the end of the case
+        "proc_log": meter.log,
+        **info,
+    }
+
+
+# ---- parent: run the matrix, one child at a time ------------------------------------------------
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def estimated_need(case: str, n: int, vocab: int, dtype: str) -> int:
+    """Rough resident bytes at the case's peak: the logits plus its [N, V] tensors (small inputs ignored)."""
+    nv, el = n * vocab, 4 if dtype == "float32" else 2
+    if case == "a":
+        # In log_softmax's backward three float32 [N, V] live at once: the saved output, gather's
+        # zero-filled gradient and the input gradient (the bf16 cast of it comes after the first two die).
+        return nv * el + 3 * nv * 4
+    return nv * el + nv * el + 2 * 1024 * vocab * 4  # gradient + two workspace chunks at most
+
+
+def run_child(case: str, vocab: int, dtype: str, args: argparse.Namespace) -> dict:
+    base = {"case": case, "vocab": vocab, "dtype": dtype, "tokens": args.tokens}
+    need, avail = estimated_need(case, args.tokens, vocab, dtype), mem_available()
+    if need > avail:
+        return {**base, "error": f"skipped: needs ~{need / GIB:.1f} GiB, MemAvailable {avail / GIB:.1f} GiB"}
+    flags = {"--one": case, "--vocab": vocab, "--dtype": dtype, "--tokens": args.tokens, "--topk": args.topk,
+             "--reps": args.reps, "--chunk-tokens": args.chunk_tokens, "--threads": args.threads,
+             "--seed": args.seed}  # fmt: skip
+    cmd = [sys.executable, os.path.abspath(__file__), *(str(x) for kv in flags.items() for x in kv)]
+    # The child's stderr (progress, tracebacks) passes through; its last stdout line is the result.
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines:
+        return {**base, **json.loads(lines[-1])}
+    if proc.returncode < 0:
+        return {**base, "error": f"killed by signal {-proc.returncode} (the OOM killer?)"}
+    return {**base, "error": f"child exited with status {proc.returncode}"}
+
+
+def summarise(results: list[dict], chunk_tokens: int) -> list[dict]:
+    """Per (V, dtype): each case's figures plus ratios to (a)."""
+    rows = []
+    for r in results:
+        a = next(
+            (
+                x
+                for x in results
+                if x["case"] == "a" and x["vocab"] == r["vocab"] and x["dtype"] == r["dtype"]
+            ),
+            None,
+        )
+        chunk_bytes = chunk_tokens * r["vocab"] * 4
+        row = dict(r)
+        row["chunk_bytes"] = chunk_bytes
+        if "error" not in r:
+            # Everything above the [N, V] gradient, which every case must produce.
+            row["beyond_grad_chunks"] = (r["extra_peak_bytes"] - r["grad_bytes"]) / chunk_bytes
+            if a is not None and "error" not in a:
+                row["time_ratio"] = r["time_s"] / a["time_s"]
+                # Ratio of the fastest repetitions: less sensitive to a neighbour's load on a shared machine.
+                row["time_ratio_min"] = r["time_min_s"] / a["time_min_s"]
+                row["extra_vs_a_chunks"] = (r["extra_peak_bytes"] - a["extra_peak_bytes"]) / chunk_bytes
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| V | dtype | case | median (s) | ×(a) | min (s) | ×(a) min | user (s) | sys (s) | faults (M) "
+        "| extra peak (GiB) | peak − (a) (chunks) | peak − grad (chunks) | mask frac |",
+        "|" + "---|" * 14,
+    ]
+    for r in rows:
+        lead = f"| {r['vocab']} | {r['dtype']} | ({r['case']}) |"
+        if "error" in r:
+            lines.append(f"{lead} {r['error']} |" + " |" * 10)
+            continue
+        ratio = (
+            f"{r['time_ratio']:.2f} | {r['time_min_s']:.2f} | {r['time_ratio_min']:.2f}"
+            if "time_ratio" in r
+            else f"– | {r['time_min_s']:.2f} | –"
+        )
+        vs_a = f"{r['extra_vs_a_chunks']:+.2f}" if "extra_vs_a_chunks" in r else "–"
+        mf = f"{r['mask_frac']:.3f}" if "mask_frac" in r else "–"
+        lines.append(
+            f"{lead} {r['time_s']:.2f} | {ratio} | {r['user_s']:.2f} | {r['sys_s']:.2f} "
+            f"| {r['minor_faults'] / 1e6:.2f} | {r['extra_peak_bytes'] / GIB:.2f} | {vs_a} "
+            f"| {r['beyond_grad_chunks']:+.2f} | {mf} |"
+        )
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        if r["case"] not in ("b", "c") or "time_ratio" not in r:
+            continue
+        t_ok = r["time_ratio"] <= TARGET_TIME_RATIO
+        m_ok = r["extra_vs_a_chunks"] <= TARGET_EXTRA_CHUNKS
+        out.append(
+            f"V={r['vocab']} {r['dtype']} ({r['case']}): time ×{r['time_ratio']:.2f} "
+            f"{'meets' if t_ok else 'MISSES'} ≤ {TARGET_TIME_RATIO}; extra peak "
+            f"{r['extra_vs_a_chunks']:+.2f} chunks vs (a) {'meets' if m_ok else 'MISSES'} "
+            f"≤ {TARGET_EXTRA_CHUNKS:.0f}"
+        )
+    return out
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = "unknown"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "loadavg": os.getloadavg()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=8192, help="N response tokens")
+    p.add_argument("--topk", type=int, default=20, help="K top logprobs per token")
+    p.add_argument("--vocab", type=int, action="append", help="V (repeatable); default 32768 and 151936")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        action="append",
+        help="logits dtype (repeatable); default both",
+    )
+    p.add_argument("--cases", default="a,b,b',c,c'", help="comma-separated subset of a,b,b',c,c'")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up")
+    p.add_argument("--chunk-tokens", type=int, default=1024, help="MaskConfig / token_logprobs chunk")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="N = 2048, V = 32768 only")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--one", choices=tuple(CASES), help=argparse.SUPPRESS)  # child mode
+    args = p.parse_args(argv)
+
+    if args.one:
+        args.vocab, args.dtype = args.vocab[0], args.dtype[0]
+        try:
+            print(json.dumps(run_one(args)))
+        except MemoryError as e:  # Python-side allocation failure
+            print(json.dumps({"error": f"MemoryError: {e}"}))
+        except RuntimeError as e:  # torch's "DefaultCPUAllocator: can't allocate memory"
+            if "allocate" not in str(e):
+                raise
+            print(json.dumps({"error": f"out of memory: {str(e).splitlines()[0][:120]}"}))
+        return 0
+
+    if args.quick:
+        args.tokens, args.vocab = 2048, args.vocab or [32768]
+    vocabs = args.vocab or [32768, 151936]
+    dtypes = args.dtype or ["float32", "bfloat16"]
+    cases = [c.strip() for c in args.cases.split(",")]
+    if unknown := set(cases) - set(CASES):
+        p.error(f"unknown cases {sorted(unknown)}; expected some of {list(CASES)}")
+    info = machine()
+    print(
+        f"bench/adapter.py: N={args.tokens} K={args.topk} V={vocabs} {dtypes} cases={cases} "
+        f"reps={args.reps} | {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
+        f"load {info['loadavg'][0]:.2f}",
+        file=sys.stderr,
+        flush=True,
+    )
+    results = []
+    for vocab in vocabs:
+        for dtype in dtypes:
+            for case in cases:  # strictly one child at a time: V = 151936 float32 needs ~20 GiB for (a)
+                t = time.perf_counter()
+                print(f"  ({case}) V={vocab} {dtype} ...", file=sys.stderr, flush=True)
+                r = run_child(case, vocab, dtype, args)
+                results.append(r)
+                msg = r.get("error") or (
+                    f"{r['time_s']:.2f}s, extra peak {r['extra_peak_bytes'] / GIB:.2f} GiB"
+                )
+                print(
+                    f"  ({case}) V={vocab} {dtype}: {msg} [{time.perf_counter() - t:.0f}s wall]",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    rows = summarise(results, args.chunk_tokens)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "machine": info,
+                    "args": {k: v for k, v in vars(args).items() if k != "one"},
+                    "results": rows,
+                    "verdict": verdict(rows),
+                },
+                indent=1,
+            )
+        )
+    else:
+        print(table(rows))
+        print("\n" + "\n".join(verdict(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
