@@ -123,6 +123,8 @@ class AsyncRolloutQueue:
         claim_idle_s: float = 60.0,
         done_ttl_s: float = 7 * 86400,
         token: str | None = None,
+        tls: bool = False,
+        root_certs: bytes | None = None,
         retries: int = 10,
     ) -> None:
         if stale_policy not in ("drop", "keep"):
@@ -135,7 +137,8 @@ class AsyncRolloutQueue:
         self.stale_policy = stale_policy
         self.claim_idle_ms = int(claim_idle_s * 1000)
         self.done_ttl_ms = int(done_ttl_s * 1000)
-        self.token = token
+        self.token = token  # bearer token and TLS settings for the replicas' gRPC (broadcast_weights)
+        self._tls = {"tls": tls, "root_certs": root_certs}
         self.policy_version = 0
         self.stats = QueueStats()
         self._r = connect(url, retries=retries)
@@ -497,7 +500,7 @@ class AsyncRolloutQueue:
 
         async def one(rep: ReplicaInfo) -> str:
             try:
-                async with RolloutClient(rep.address, token=self.token) as c:
+                async with RolloutClient(rep.address, token=self.token, **self._tls) as c:
                     await asyncio.wait_for(c.update_weights(version, checkpoint_dir), timeout)
                 return "ok"
             except Exception as e:

@@ -16,6 +16,19 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "direction analysis of the trust-region masks on synthetic LLM-like states",
         "maskroll.trainer_adapter.analyze:main",
     ),
+    "demo": (
+        "asynchronous RL end to end: Redis, two replicas, a trainer with predictive masks (a few minutes)",
+        "maskroll.server.demo:main",
+    ),
+    "healthcheck": (
+        "ask a replica's gRPC health service; exit 0 if SERVING (container and Kubernetes probes)",
+        "maskroll.server.healthcheck:main",
+    ),
+    "init-model": (
+        "write a seeded tiny Llama model with a byte-level tokenizer",
+        "maskroll.server.model_init:main",
+    ),
+    "serve": ("serve rollouts over gRPC (vLLM or the torch reference engine)", "maskroll.server.serve:main"),
 }
 
 

@@ -174,6 +174,15 @@ def _mask_config(cfg: DemoConfig):
     return MaskConfig(method=cfg.method, divergence=cfg.divergence, estimator=cfg.estimator, **kw)
 
 
+def _grpc_auth() -> dict:
+    """The replicas' bearer token and TLS roots, from the same variables `maskroll serve` reads."""
+    ca = os.environ.get("MASKROLL_HEALTHCHECK_TLS_CA") or os.environ.get("MASKROLL_TLS_CERT")
+    return {
+        "token": os.environ.get("MASKROLL_AUTH_TOKEN") or None,
+        "root_certs": Path(ca).read_bytes() if ca else None,
+    }
+
+
 def _evaluate(address: str, tok_prompts: list[list[int]], cfg: DemoConfig) -> float:
     """Mean reward on held-out prompts, sampled by one replica at its current weights."""
     from maskroll.client import SamplingOptions, SyncRolloutClient
@@ -188,7 +197,7 @@ def _evaluate(address: str, tok_prompts: list[list[int]], cfg: DemoConfig) -> fl
         seed=cfg.seed + 777,
     )
     rewards = []
-    with SyncRolloutClient(address) as c:
+    with SyncRolloutClient(address, **_grpc_auth()) as c:
         for p in tok_prompts:
             rewards += [digit_reward(r.completion_ids, cfg.max_tokens) for r in c.generate_records(p, opts)]
     return sum(rewards) / len(rewards)
@@ -257,7 +266,11 @@ def train(cfg: DemoConfig) -> dict:
         model.train()
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         with RolloutQueue(
-            cluster.url, cfg.namespace, batch_size=cfg.batch_size, max_staleness=cfg.max_staleness
+            cluster.url,
+            cfg.namespace,
+            batch_size=cfg.batch_size,
+            max_staleness=cfg.max_staleness,
+            **_grpc_auth(),
         ) as q:
             deadline = time.monotonic() + 60
             while len(reps := q.replicas()) < (cfg.replicas if cfg.spawn else 1):
@@ -372,7 +385,7 @@ def train(cfg: DemoConfig) -> dict:
             )
             replica_versions = {}
             for rep in q.replicas():  # ask each replica: heartbeats refresh only every few seconds
-                with SyncRolloutClient(rep.address) as c:
+                with SyncRolloutClient(rep.address, **_grpc_auth()) as c:
                     replica_versions[rep.replica_id] = c.info().policy_version
             queue_stats = asdict(q.stats)
     summary = {

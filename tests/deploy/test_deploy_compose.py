@@ -1,0 +1,232 @@
+"""deploy/compose.yaml (+ compose.gpu.yaml) as `docker compose` sees it, without Docker: interpolated with
+deploy/.env.example, validated against the official compose-spec schema (vendored in the
+check-jsonschema wheel), then checked for what the deployment relies on."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import re
+import subprocess
+from urllib.parse import urlsplit
+
+import jsonschema
+import pytest
+from deploy_files import (
+    COMPOSE,
+    COMPOSE_GPU,
+    ENV_EXAMPLE,
+    InterpolationError,
+    Local,
+    Replica,
+    build_args,
+    clean_environ,
+    compose_variables,
+    duration_s,
+    healthcheck,
+    interpolate,
+    load_compose,
+    load_env_file,
+    resolve_argv,
+)
+
+from maskroll.client.local_redis import LocalRedis, free_port
+from maskroll.server.app import ABORT_GRACE_S, STOP_GRACE_S
+
+
+@pytest.fixture(scope="module")
+def compose_schema() -> dict:
+    # The official schema (compose-spec/compose-spec, schema/compose-spec.json) as check-jsonschema
+    # vendors it for its `--builtin-schema vendor.compose-spec`.
+    vendor = importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
+    return json.loads(vendor.joinpath("compose-spec.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def env() -> dict[str, str]:
+    return load_env_file(ENV_EXAMPLE)
+
+
+@pytest.fixture(scope="module")
+def compose(env) -> dict:
+    return load_compose(COMPOSE, env)
+
+
+def replicas(compose: dict) -> dict[str, dict]:
+    """Services that run `maskroll serve` in pull mode."""
+    return {
+        name: svc
+        for name, svc in compose["services"].items()
+        if svc.get("environment", {}).get("MASKROLL_PULL") == "true"
+    }
+
+
+def validate(schema: dict, doc: dict) -> list[str]:
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU], ids=lambda p: p.name)
+def test_compose_files_match_the_compose_spec(path, env, compose_schema):
+    assert validate(compose_schema, load_compose(path, env)) == []
+
+
+def test_the_schema_check_catches_a_typo(compose, compose_schema):
+    broken = json.loads(json.dumps(compose))
+    broken["services"]["replica-1"]["stop_grace_periode"] = "90s"
+    assert any("stop_grace_periode" in e for e in validate(compose_schema, broken))
+
+
+def test_every_variable_is_documented_in_env_example(env):
+    documented = set(env) | set(re.findall(r"^#\s*([A-Z_][A-Z0-9_]*)=", ENV_EXAMPLE.read_text(), re.M))
+    used = compose_variables(COMPOSE.read_text()) | compose_variables(COMPOSE_GPU.read_text())
+    assert used - documented == set()
+
+
+def test_secrets_are_required_and_the_examples_are_placeholders(env):
+    for name in ("REDIS_PASSWORD", "MASKROLL_AUTH_TOKEN", "MASKROLL_MODEL_DIR"):
+        without = {k: v for k, v in env.items() if k != name}
+        with pytest.raises(InterpolationError, match=name):
+            load_compose(COMPOSE, without)
+    assert all(env[k].startswith("REPLACE-ME") for k in ("REDIS_PASSWORD", "MASKROLL_AUTH_TOKEN"))
+
+
+def test_interpolation_forms():
+    e = {"A": "a", "EMPTY": ""}
+    assert interpolate("${A}-${A:-x}-${B:-d}-${EMPTY:-d}-${EMPTY-d}-$A-$$A", e) == "a-a-d-d--a-$A"
+    assert interpolate(["${A:+alt}", "${EMPTY:+alt}", "${EMPTY+alt}"], e) == ["alt", "", "alt"]
+    with pytest.raises(InterpolationError, match="B"):
+        interpolate("${B:?needed}", e)
+
+
+def test_redis_is_persistent_password_protected_and_never_evicts(compose, env):
+    redis = compose["services"]["redis"]
+    args = redis["command"]
+    opt = {args[i]: args[i + 1] for i in range(1, len(args) - 1, 2)}
+    assert args[0] == "redis-server"
+    assert opt["--appendonly"] == "yes"
+    assert opt["--requirepass"] == env["REDIS_PASSWORD"]
+    assert opt["--maxmemory-policy"] == "noeviction"
+    assert redis["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL")
+    source, target = redis["volumes"][0].split(":")[:2]
+    assert target == "/data" and source in compose["volumes"]
+    # Published for a trainer on this host only, never on every interface.
+    assert all(p.startswith("127.0.0.1:") for p in redis["ports"])
+
+
+def test_two_pull_mode_replicas_wait_for_redis_and_drain_within_the_grace_period(compose, env):
+    reps = replicas(compose)
+    assert len(reps) >= 2
+    _, health_argv = healthcheck()
+    for name, svc in reps.items():
+        e = svc["environment"]
+        assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert svc["healthcheck"]["test"] == ["CMD", *health_argv]
+        assert svc["stop_signal"] == "SIGTERM" and svc["init"] is True
+        grace, drain = duration_s(svc["stop_grace_period"]), float(e["MASKROLL_DRAIN_TIMEOUT_S"])
+        assert grace > drain + ABORT_GRACE_S + STOP_GRACE_S, (name, grace, drain)
+        url = urlsplit(e["MASKROLL_REDIS_URL"])
+        assert (url.scheme, url.hostname, url.port) == ("redis", "redis", 6379)
+        assert url.password == env["REDIS_PASSWORD"]
+        assert e["MASKROLL_AUTH_TOKEN"] == env["MASKROLL_AUTH_TOKEN"]
+        # The advertised address is this container on the compose network, at its gRPC port.
+        assert e["MASKROLL_ADVERTISE_ADDRESS"] == f"{svc['hostname']}:{e['MASKROLL_PORT']}"
+        assert svc["hostname"] == name
+        assert all(p.startswith("127.0.0.1:") for p in svc.get("ports", []))
+    for key in ("MASKROLL_REPLICA_ID", "MASKROLL_ADVERTISE_ADDRESS"):
+        values = [svc["environment"][key] for svc in reps.values()]
+        assert len(set(values)) == len(values), f"{key} must differ between replicas: {values}"
+    namespaces = {svc["environment"]["MASKROLL_NAMESPACE"] for svc in reps.values()}
+    assert len(namespaces) == 1
+
+
+def _mounts(svc: dict) -> dict[str, tuple[str, str]]:
+    """target -> (source, mode)"""
+    out = {}
+    for spec in svc["volumes"]:
+        source, target, *mode = spec.split(":")
+        out[target] = (source, mode[0] if mode else "rw")
+    return out
+
+
+def test_replicas_and_trainer_share_the_weights_volume_at_the_same_path(compose):
+    reps = replicas(compose)
+    trainer = compose["services"]["trainer"]
+    assert trainer["profiles"] == ["trainer"]
+    argv = trainer["entrypoint"] + trainer["command"]
+    assert argv[:3] == ["maskroll", "demo", "--no-spawn"]
+    flags = dict(zip(argv[3::2], argv[4::2], strict=True))
+    assert set(flags) == {"--redis-url", "--namespace", "--weights-dir", "--model", "--out"}
+    weights_dir = flags["--weights-dir"]
+    for svc in reps.values():
+        e = svc["environment"]
+        assert flags["--redis-url"] == e["MASKROLL_REDIS_URL"]
+        assert flags["--namespace"] == e["MASKROLL_NAMESPACE"]
+        root = e["MASKROLL_WEIGHTS_ROOT"]
+        assert weights_dir == root or weights_dir.startswith(root.rstrip("/") + "/")
+        rep_source, rep_mode = _mounts(svc)[root]
+        assert rep_source in compose["volumes"] and rep_mode == "ro"
+        assert _mounts(trainer)[root] == (rep_source, "rw")
+        assert _mounts(svc)[e["MASKROLL_MODEL"]][1] == "ro"
+        # The learner starts from the weights the replicas serve.
+        assert flags["--model"] == e["MASKROLL_MODEL"]
+        assert _mounts(trainer)[e["MASKROLL_MODEL"]][0] == _mounts(svc)[e["MASKROLL_MODEL"]][0]
+    tokens = {svc["environment"]["MASKROLL_AUTH_TOKEN"] for svc in [*reps.values(), trainer]}
+    assert len(tokens) == 1
+    assert trainer["healthcheck"] == {"disable": True}
+
+
+def test_gpu_file_gives_each_replica_its_own_gpu_and_the_default_vllm_image(env):
+    gpu = load_compose(COMPOSE_GPU, env)
+    base = load_compose(COMPOSE, env)
+    devices = []
+    for name in replicas(base):
+        svc = gpu["services"][name]
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        devices += device["device_ids"]
+        assert svc["build"]["args"] == {"VARIANT": "gpu", "BASE_IMAGE": build_args()["BASE_IMAGE"]}
+    assert len(devices) == len(set(devices)) == len(replicas(base))
+    assert base["services"]["replica-1"]["build"]["args"]["VARIANT"] == "cpu"
+
+
+@pytest.mark.slow
+def test_trainer_command_trains_against_the_replicas(compose, env, tmp_path):
+    """The compose deployment run outside containers: Redis with the .env password, both replicas with
+    their environment, then the trainer service's command line (one short step) against them: it
+    must find the replicas, train, write a checkpoint where they can load it and broadcast it."""
+    from maskroll.server.model_init import init_model
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    model = init_model(tmp_path / "model", seed=0)
+    trainer = compose["services"]["trainer"]
+    with LocalRedis(password=env["REDIS_PASSWORD"]) as redis:
+        local = Local(model, weights, redis.port)
+        started: list[tuple[Replica, list[str]]] = []
+        try:
+            for name, svc in replicas(compose).items():
+                serve_env = {**clean_environ(), **local.replica_env(svc, free_port(), free_port())}
+                replica = Replica(["maskroll", "serve"], serve_env, tmp_path / f"{name}.log")
+                started.append((replica, svc["healthcheck"]["test"][1:]))
+            for replica, check in started:  # started together: the model loads overlap
+                replica.wait_healthy(check)
+            paths = {
+                "/models/model": str(model),
+                "/weights": str(weights),
+                "/tmp/maskroll-demo": str(tmp_path),
+            }
+            argv = [paths.get(a, a) for a in trainer["entrypoint"] + trainer["command"]]
+            argv = [local.url(a) if a.startswith("redis://") else a for a in argv]
+            argv += ["--steps", "1", "--prompts-per-step", "1", "--n", "2"]
+            run_env = {**clean_environ(), **trainer["environment"]}
+            out = subprocess.run(resolve_argv(argv), env=run_env, capture_output=True, text=True, timeout=600)
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert (tmp_path / "summary.json").is_file()
+            assert any(weights.iterdir()), "no checkpoint under the replicas' weights root"
+            for replica, _ in started:
+                code, _ = replica.terminate(within=90)
+                assert code == 0, replica.output()
+        finally:
+            for replica, _ in started:
+                replica.stop()
