@@ -65,6 +65,9 @@ class ServerConfig(BaseSettings):
     """Largest number of samples per Generate request (n)."""
     max_batch: int = Field(64, ge=1, le=4096)
     """Most sequences the engine runs in one batch."""
+    enforce_eager: bool = False
+    """vLLM: run the model eagerly (no torch.compile / CUDA graphs): a much faster start, slower steps.
+    On CPU machines compilation also needs a C++ compiler."""
     threads: int | None = Field(None, ge=1, le=1024)
     """Torch engine: CPU threads for the model (unset = torch's default). Several replicas on one machine
     run much faster with a share of the cores each than all competing for all of them."""

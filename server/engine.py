@@ -5,18 +5,20 @@ of the *processed* distribution it sampled from (temperature, then top-k, then t
 exactly K top-K entries per token sorted by rank, and the sampled token's logprob and rank separately.
 Cancelling the consumer of `generate` (CancelledError / aclose) must abort the request in the engine.
 Engines stop only on `stop_token_ids` and max_tokens / the context (the servicer decides which ids stop,
-the model's EOS included, so both engines follow one rule). Ranks count strictly larger μ (1 + #{μ_j >
-μ_a}); on exact ties vLLM may report a larger rank. Engines know nothing of gRPC, Redis or protobuf.
+the model's EOS included, so both engines follow one rule). Ranks follow vLLM: the number of tokens
+whose μ is at least the sampled token's (so 1 for the most likely token; ties rank it lower). Engines
+know nothing of gRPC, Redis or protobuf.
 
-Weight updates mid-generation: tokens after the update are sampled by the new weights reading KV-cache
-entries the old weights wrote (vLLM does the same). The record's μ is still exactly what was sampled,
-but a trainer recomputing π with the new weights will not match μ exactly for those tokens; the
-record's version_changes say which tokens they are.
+Weight updates mid-generation: tokens after the update are sampled by the new weights. vLLM recomputes
+the in-flight requests' KV cache with them (pause with clear_cache); the torch reference engine keeps
+the cache the old weights wrote. Either way the record's μ is exactly what was sampled and its
+version_changes say which tokens came after the update.
 """
 
 from __future__ import annotations
 
 import abc
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +65,17 @@ class EngineLimits:
     max_model_len: int  # prompt + completion tokens
     max_logprobs: int  # largest K a request may ask for
     eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids; the servicer adds them as stops
+
+
+def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """The model's end-of-sequence ids: generation_config.json, else config.json (an int or a list)."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(int(x) for x in (eos if isinstance(eos, list) else [eos]))
+    return ()
 
 
 class Engine(abc.ABC):

@@ -20,6 +20,7 @@ def make_engine(config: ServerConfig) -> Engine:
         return VllmEngine(
             config.model,
             max_logprobs=config.max_logprobs,
+            enforce_eager=config.enforce_eager,
             extra_engine_args={"max_num_seqs": config.max_batch},
             **dtype,
         )

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..trainer_adapter.processed import Workspace, processed_chunk
-from .engine import Engine, EngineLimits, EngineOutput, EngineRequest, SamplingParams
+from .engine import Engine, EngineLimits, EngineOutput, EngineRequest, SamplingParams, eos_token_ids
 
 Tensor = torch.Tensor
 
@@ -125,7 +125,7 @@ class TorchEngine(Engine):
             vocab_size=int(config.vocab_size),
             max_model_len=int(config.max_position_embeddings),
             max_logprobs=int(max_logprobs),
-            eos_token_ids=_eos_ids(self.model_dir, config),
+            eos_token_ids=eos_token_ids(self.model_dir),
         )
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -445,7 +445,7 @@ class TorchEngine(Engine):
                 [torch.multinomial(probs[j], 1, generator=rows[i].generator) for j, i in enumerate(idx)]
             )  # [c]
             sampled = mu.gather(1, tokens[:, None])  # [c, 1]
-            ranks = (mu > sampled).sum(dim=1) + 1  # [c]
+            ranks = (mu >= sampled).sum(dim=1)  # [c], vLLM's convention: ties rank the sampled token lower
             kmax = max(rows[i].params.logprobs_k for i in idx)
             top = mu.topk(kmax, dim=-1, sorted=True)  # [c, kmax]
             top_ids = top.indices.to(torch.int32).cpu().numpy()
@@ -518,18 +518,3 @@ class TorchEngine(Engine):
         # RuntimeError: the consumer's event loop is closed, so nobody is left to read it.
         with contextlib.suppress(RuntimeError):
             handle.loop.call_soon_threadsafe(handle.queue.put_nowait, item)
-
-
-def _eos_ids(model_dir: Path, config) -> tuple[int, ...]:
-    """End-of-sequence ids from generation_config.json, else config.json (an int or a list in either)."""
-    import transformers
-
-    try:
-        eos = transformers.GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:  # no generation_config.json
-        eos = None
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(int(x) for x in (eos if isinstance(eos, (list, tuple)) else [eos]))

@@ -84,7 +84,7 @@ def test_sampled_and_topk_logprobs_match_a_trainer_side_recompute(torch_server, 
     top = mu.topk(8, dim=-1)
     np.testing.assert_allclose(rec.topk_logprobs, top.values.numpy(), atol=5e-5)
     np.testing.assert_array_equal(rec.topk_ids, top.indices.numpy())
-    ranks = (mu > sampled[:, None]).sum(dim=1) + 1
+    ranks = (mu >= sampled[:, None]).sum(dim=1)  # vLLM's convention (engine.py)
     np.testing.assert_array_equal(rec.sampled_ranks, ranks.numpy())
 
 

