@@ -67,6 +67,28 @@ class EngineLimits:
     eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids; the servicer adds them as stops
 
 
+def check_request(request: EngineRequest, limits: EngineLimits) -> None:
+    """An engine's own guard (the servicer validated already): a bad request fails with a ValueError
+    naming the field instead of inside the engine, or in a batch it shares with other requests."""
+    p = request.params
+    ids = np.asarray(request.prompt_ids)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"prompt_ids must be a non-empty 1-D array, got shape {ids.shape}")
+    if ids.min() < 0 or ids.max() >= limits.vocab_size:
+        raise ValueError(f"prompt_ids must be in [0, {limits.vocab_size}), got [{ids.min()}, {ids.max()}]")
+    if ids.size >= limits.max_model_len:
+        raise ValueError(
+            f"prompt of {ids.size} tokens leaves no room in max_model_len={limits.max_model_len}"
+        )
+    if p.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
+    if not 0 < p.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
+    k_max = min(limits.max_logprobs, limits.vocab_size)
+    if not 0 <= p.logprobs_k <= k_max:
+        raise ValueError(f"logprobs_k must be in [0, {k_max}], got {p.logprobs_k}")
+
+
 def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
     """The model's end-of-sequence ids: generation_config.json, else config.json (an int or a list)."""
     for name in ("generation_config.json", "config.json"):

@@ -31,7 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from ..trainer_adapter.processed import Workspace, processed_chunk
-from .engine import Engine, EngineLimits, EngineOutput, EngineRequest, SamplingParams, eos_token_ids
+from .engine import (
+    Engine,
+    EngineLimits,
+    EngineOutput,
+    EngineRequest,
+    SamplingParams,
+    check_request,
+    eos_token_ids,
+)
 
 Tensor = torch.Tensor
 
@@ -243,26 +251,9 @@ class TorchEngine(Engine):
     def _validate(self, request: EngineRequest) -> None:
         """Cheap checks that keep a bad request from failing inside the shared batch (the servicer has
         already validated; this is the engine's own guard)."""
-        p, lim = request.params, self._limits
-        ids = np.asarray(request.prompt_ids)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"prompt_ids must be a non-empty 1-D array, got shape {ids.shape}")
-        if ids.min() < 0 or ids.max() >= lim.vocab_size:
-            raise ValueError(f"prompt_ids must be in [0, {lim.vocab_size}), got [{ids.min()}, {ids.max()}]")
-        if ids.size >= lim.max_model_len:
-            raise ValueError(
-                f"prompt of {ids.size} tokens leaves no room in max_model_len={lim.max_model_len}"
-            )
-        if p.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
-        if not (math.isfinite(p.temperature) and p.temperature > 0):
-            raise ValueError(f"temperature must be finite and > 0, got {p.temperature}")
-        if not (0 < p.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
-        if not (0 <= p.logprobs_k <= min(lim.max_logprobs, lim.vocab_size)):
-            raise ValueError(
-                f"logprobs_k must be in [0, {min(lim.max_logprobs, lim.vocab_size)}], got {p.logprobs_k}"
-            )
+        check_request(request, self._limits)
+        if not (math.isfinite(request.params.temperature) and request.params.temperature > 0):
+            raise ValueError(f"temperature must be finite and > 0, got {request.params.temperature}")
 
     def _abort(self, handle: _Handle) -> None:
         with self._cv:

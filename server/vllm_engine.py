@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .engine import Engine, EngineLimits, EngineOutput, EngineRequest, eos_token_ids
+from .engine import Engine, EngineLimits, EngineOutput, EngineRequest, check_request, eos_token_ids
 
 # vLLM treats temperature < 1e-5 as greedy and then returns *unscaled* logprobs (v1/sample/sampler.py
 # Sampler.sample, _SAMPLING_EPS), and rejects temperature > 2 (sampling_params.py _verify_args).
@@ -275,23 +275,11 @@ class VllmEngine(Engine):
         p, lim = request.params, self.limits
         # The servicer has validated already; these are the engine's own guard, so that bad input fails
         # with a ValueError naming the field rather than inside vLLM's input processor.
-        ids = np.asarray(request.prompt_ids)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"prompt_ids must be a non-empty 1-D array, got shape {ids.shape}")
-        if ids.min() < 0 or ids.max() >= lim.vocab_size:
-            raise ValueError(f"prompt_ids must be in [0, {lim.vocab_size}), got [{ids.min()}, {ids.max()}]")
-        if ids.size >= lim.max_model_len:
-            raise ValueError(
-                f"prompt of {ids.size} tokens leaves no room in max_model_len={lim.max_model_len}"
-            )
-        if p.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
+        check_request(request, lim)
         if not MIN_TEMPERATURE <= p.temperature <= MAX_TEMPERATURE:
             raise ValueError(
                 f"temperature must be in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] for vLLM, got {p.temperature}"
             )
-        if not 0 <= p.logprobs_k <= lim.max_logprobs:
-            raise ValueError(f"logprobs_k must be in [0, {lim.max_logprobs}], got {p.logprobs_k}")
         try:
             return SamplingParams(
                 n=1,
