@@ -437,19 +437,22 @@ def figure(summaries: dict[str, dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
-    for run, s in summaries.items():
-        name = run if len(summaries) > 1 else ""  # one run: no need to name it in every label
+    # One colour per run; the line style tells the series apart (solid / dotted, dashed / solid).
+    for i, (run, s) in enumerate(summaries.items()):
+        name, c = (run if len(summaries) > 1 else ""), f"C{i}"  # one run: no need to name it in labels
         steps = [r["step"] for r in s["steps"]]
-        ax[0].plot(steps, [r["reward"] for r in s["steps"]], label=f"{name} train".strip())
-        ax[0].scatter([0, steps[-1]], [s["reward_before"], s["reward_after"]], marker="D", s=30)
-        ax[1].plot(steps, [r["mask_frac"] for r in s["steps"]], label=f"{name} masked".strip())
-        ax[1].plot(
-            steps, [r["far_frac"] for r in s["steps"]], linestyle=":", label=f"{name} far (D > δ)".strip()
-        )
-        ax[2].plot(steps, [r["agree_ratio_far"] for r in s["steps"]], label=f"{name} ratio rule".strip())
+
+        def series(key: str, rows=s["steps"]) -> list[float]:
+            return [r[key] for r in rows]
+
+        ax[0].plot(steps, series("reward"), color=c, label=f"{name} train".strip())
+        ax[0].scatter([0, steps[-1]], [s["reward_before"], s["reward_after"]], color=c, marker="D", s=30)
+        ax[1].plot(steps, series("mask_frac"), color=c, label=f"{name} masked".strip())
+        ax[1].plot(steps, series("far_frac"), color=c, linestyle=":", label=f"{name} far (D > δ)".strip())
         ax[2].plot(
-            steps, [r["agree_predictive_far"] for r in s["steps"]], label=f"{name} predictive rule".strip()
+            steps, series("agree_ratio_far"), color=c, linestyle="--", label=f"{name} ratio rule".strip()
         )
+        ax[2].plot(steps, series("agree_predictive_far"), color=c, label=f"{name} predictive rule".strip())
     ax[0].set(title="reward (◆ = held-out before / after)", xlabel="step", ylabel="digit fraction")
     ax[1].set(title="tokens masked / outside the trust region", xlabel="step", ylabel="fraction")
     ax[2].set(

@@ -84,3 +84,18 @@ def test_ctrl_c_stops_every_process(tmp_path):
     while left := _processes_mentioning(str(out)):
         assert time.monotonic() < deadline, f"left behind: {left}"
         time.sleep(0.2)
+
+
+def test_compare_runs_every_method_with_the_same_seed(tmp_path):
+    out = tmp_path / "cmp"
+    args = ["--compare", "--steps", "2", "--prompts-per-step", "3", "--n", "3", "--max-tokens", "8"]
+    proc = _demo(out, *args, "--engine", "torch")
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-3000:]
+    summaries = json.loads((out / "summary.json").read_text())
+    assert set(summaries) == {"ppo", "dppo", "predictive"}
+    assert {s["mask_config"]["method"] for s in summaries.values()} == {"ppo", "dppo", "predictive"}
+    # the same seed: every method starts from the same model and the same held-out reward
+    assert len({s["reward_before"] for s in summaries.values()}) == 1
+    assert (out / "demo.png").stat().st_size > 10_000
+    assert not _processes_mentioning(str(out))
