@@ -205,6 +205,28 @@ def _evaluate(address: str, tok_prompts: list[list[int]], cfg: DemoConfig) -> fl
     return sum(rewards) / len(rewards)
 
 
+def _completion_logits(model, b):  # -> [B, T, V], the logits that predict the completion tokens
+    out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids)
+    return out.logits[:, b.completion_logits_slice]
+
+
+def _masks(logits, b, mask_cfg, **kw):
+    from maskroll.trainer_adapter import compute_masks
+
+    return compute_masks(
+        logits,
+        b.completion_ids,
+        b.sampled_logprobs,
+        b.topk_ids,
+        b.topk_logprobs,
+        b.advantages,
+        config=mask_cfg,
+        temperature=b.temperature,
+        response_mask=b.response_mask,
+        **kw,
+    )
+
+
 def _progress(step: int, total: int, log: StepLog) -> str:
     width = 20
     done = int(width * step / total)
@@ -227,7 +249,6 @@ def train(cfg: DemoConfig) -> dict:
     from maskroll.client.queue import RolloutQueue
     from maskroll.trainer_adapter import (
         collate,
-        compute_masks,
         direction_agreement,
         policy_loss,
         token_logprobs,
@@ -296,44 +317,17 @@ def train(cfg: DemoConfig) -> dict:
                 top_up()  # generation of the next batch overlaps with this step
                 rewards = [digit_reward(r.completion_ids, cfg.max_tokens) for r in batch]
                 b = collate(batch, rewards)
-                s = b.completion_logits_slice
-                logits = model(
-                    input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids
-                ).logits[:, s]  # [B, T, V]
+                logits = _completion_logits(model, b)
                 lp, stats = token_logprobs(
                     logits, b.completion_ids, temperature=b.temperature, return_stats=True
                 )
-                res = compute_masks(
-                    logits.detach(),
-                    b.completion_ids,
-                    b.sampled_logprobs,
-                    b.topk_ids,
-                    b.topk_logprobs,
-                    b.advantages,
-                    config=mask_cfg,
-                    temperature=b.temperature,
-                    response_mask=b.response_mask,
-                    vocab_stats=stats,
-                )
+                res = _masks(logits.detach(), b, mask_cfg, vocab_stats=stats)
                 loss, m = policy_loss(lp, b.sampled_logprobs, b.advantages, res.keep, masks=res)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
                 with torch.no_grad():  # the realised change of D on the same tokens (MATH.md §7)
-                    after = model(
-                        input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids
-                    ).logits[:, s]
-                    res_after = compute_masks(
-                        after,
-                        b.completion_ids,
-                        b.sampled_logprobs,
-                        b.topk_ids,
-                        b.topk_logprobs,
-                        b.advantages,
-                        config=mask_cfg,
-                        temperature=b.temperature,
-                        response_mask=b.response_mask,
-                    )
+                    res_after = _masks(_completion_logits(model, b), b, mask_cfg)
                 adv_tok = b.advantages[:, None].expand_as(res.divergence).double()
                 agree = direction_agreement(
                     adv_tok,
