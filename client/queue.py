@@ -374,13 +374,11 @@ class AsyncRolloutQueue:
                 await self._dead_letter(entry_id, fields, f"unknown fields {sorted(fields)}")
         if not fresh:
             return
-        pipe = self._r.pipeline(transaction=False)
-        for _, rec in fresh:
-            pipe.exists(self.keys.done(rec.rollout_id))
-        flags = await self._call(pipe.execute())
+        flags = await self._call(self._r.zmscore(self.keys.done, [rec.rollout_id for _, rec in fresh]))
         for (entry_id, rec), already in zip(fresh, flags, strict=True):
             rid = rec.rollout_id
-            if already or rid in self._acked or (rid in self._pending and self._pending[rid] != entry_id):
+            done = already is not None  # ZMSCORE: the ack time, or None
+            if done or rid in self._acked or (rid in self._pending and self._pending[rid] != entry_id):
                 self.stats.duplicates += 1
                 await self._finish([entry_id])
                 continue
@@ -444,7 +442,7 @@ class AsyncRolloutQueue:
         await self._consumed(job.job_id, self._jobs.get(job.job_id, 0))
 
     async def ack(self, batch: Sequence[RolloutRecord]) -> None:
-        """Confirm a trained batch: XACK + XDEL and a `done` marker per rollout, in one transaction."""
+        """Confirm a trained batch: XACK + XDEL and the `done` markers, in one transaction."""
         ids, per_job = [], {}
         for rec in batch:
             entry_id = self._pending.get(rec.rollout_id)
@@ -457,8 +455,9 @@ class AsyncRolloutQueue:
         pipe = self._r.pipeline(transaction=True)
         pipe.xack(self.keys.rollouts, TRAINER_GROUP, *ids)
         pipe.xdel(self.keys.rollouts, *ids)
-        for rec in batch:
-            pipe.set(self.keys.done(rec.rollout_id), 1, px=self.done_ttl_ms)
+        now = time.time()
+        pipe.zadd(self.keys.done, {rec.rollout_id: now for rec in batch})
+        pipe.zremrangebyscore(self.keys.done, "-inf", now - self.done_ttl_ms / 1000)  # forget old acks
         await self._call(pipe.execute())
         for rec in batch:
             if self._pending.pop(rec.rollout_id, None) is not None:

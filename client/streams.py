@@ -46,6 +46,8 @@ class StreamKeys:
     def replica_pattern(self) -> str:
         return self._k("replica", "*")
 
-    def done(self, rollout_id: str) -> str:
-        """Set when a trainer acked a rollout: a later duplicate (a reclaimed, regenerated job) is skipped."""
-        return self._k("done", rollout_id)
+    @property
+    def done(self) -> str:
+        """Sorted set of acked rollout ids scored by ack time: a later duplicate (a reclaimed, regenerated
+        job) is skipped. One ZADD per ack and one ZMSCORE per read, whatever the batch size."""
+        return self._k("done")

@@ -1,0 +1,851 @@
+"""Throughput of the Redis rollout queue against raw redis-py on the same bytes.
+
+For each completion length T (1024 and 8192 tokens, K = 20 top-K logprobs per token) records are built
+like real ones (int32 ids, float32 logprobs, [T, K] top-K arrays, a 256-token prompt) in groups of
+G = 8 per job, and N records go end to end through a private redis-server (LocalRedis, no AOF):
+
+    maskroll     RolloutPublisher.publish(one job's records) → RolloutQueue.next_batch(64) → ack.
+                 publish encodes (wire.encode_record), checks XLEN and XADDs the group in one MULTI;
+                 next_batch reads (XREADGROUP COUNT 128), decodes, checks the `done` markers (ZMSCORE) and
+                 buffers whole groups; ack is XACK + XDEL + ZADD done in one MULTI.
+    raw          XADD of the same bytes, pre-encoded, one MULTI per group (the publisher's pipelining)
+                 → XREADGROUP COUNT 64 → XACK + XDEL in one MULTI (XDEL too, as the queue does, so the
+                 stream stays as short in both), no decoding. Plain redis-py, no retry wrapper.
+    raw+decode   raw, plus wire.decode_record of every payload on the consumer side.
+    raw+codec    raw+decode, plus wire.encode_record of every record on the producer side (from the
+                 same RolloutRecord objects the maskroll producer publishes), so maskroll vs raw+codec
+                 is the queue's protocol overhead alone, raw+decode vs raw the protobuf decode cost and
+                 raw+codec vs raw+decode the encode cost.
+
+Producer and consumer are two processes (multiprocessing, spawn), started and connected before the
+clock starts: a replica publishes from its own process and the trainer reads in another, and in one
+process the two sides would share one GIL, so the time would be the sum of both sides' CPU rather than
+that of the slower one. The maskroll producer is asyncio (as in a replica); both consumers are
+synchronous (RolloutQueue is the trainer-facing facade, with its private event-loop thread; raw uses
+the synchronous redis.Redis, or redis.asyncio with --raw-client async). The raw producer uses
+redis.asyncio like the publisher.
+
+Flow control is the same for all modes: the producer stays at most `window` records (≈ 256 MB of
+payload, at least four batches) ahead of the consumer's acks, read from a shared counter (polled every
+2 ms while full), so Redis memory stays bounded. The publisher's own bound (max_len) is set above the
+window, so its XLEN check runs on every publish but never waits (`backpressure` in --json; expect 0).
+A producer that never waits on the window is the bottleneck; one that waits is ahead of its consumer.
+
+Time: from the start signal to the consumer's last ack. records/s = N / time; MB/s = payload bytes
+(Σ len(encode_record(rec)), 10⁶ bytes per MB) / time. Reported: the median of `--reps` runs; the modes
+run interleaved within each repetition (order rotated), and the ratios are medians of per-repetition
+ratios of back-to-back runs, so drifting background load hits both sides alike. Also per record: CPU
+time (user + sys) of the producer, of the consumer (whole process: the queue's loop thread included)
+and of redis-server (INFO cpu), and minor page faults of producer and consumer. On a shared machine the
+CPU figures move much less than wall time; where the three processes share the same cores, records/s
+is about inversely proportional to their sum, hence the second (CPU) ratio. `others` is the CPU the rest
+of the machine used during the run (/proc/stat busy time minus the three processes'), in cores.
+
+--malloc-tuned runs producer and consumer with glibc's malloc thresholds fixed (MALLOC_TUNED below);
+by default the publisher's fresh payload buffers are returned to the kernel after every publish and
+page-faulted back in by the next. --breakdown measures each side alone instead, step by step, plus the
+queue's per-record bookkeeping commands and cheaper alternatives.
+
+    .venv/bin/python bench/queue.py                  # T = 1024 (12288 records), 8192 (1024), 3 reps
+    .venv/bin/python bench/queue.py --malloc-tuned   # the same with MALLOC_TUNED in the workers
+    .venv/bin/python bench/queue.py --breakdown      # one side at a time, CPU per step and command
+    .venv/bin/python bench/queue.py --quick          # 1/8 of the records, 1 rep
+    .venv/bin/python bench/queue.py --tokens 1024 --reps 5 --json
+    .venv/bin/python bench/queue.py --profile /tmp/qprof   # cProfile (CPU time) each worker
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# This file is named queue.py: with its folder first on sys.path (`python bench/queue.py`) it would
+# shadow the standard library's `queue`, which asyncio and multiprocessing import. Drop the folder.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+
+TARGET_RATIO = 0.7  # records/s through maskroll over raw redis-py
+MODES = ("maskroll", "raw", "raw+decode", "raw+codec")
+GROUP = 8  # records per job (GRPO group)
+BATCH = 64  # RolloutQueue.next_batch(batch_size) and raw XREADGROUP COUNT
+PROMPT_TOKENS = 256
+VOCAB = 151936
+WINDOW_BYTES = 256 * 10**6
+# ≥ 5 s per run even on a quiet 2-vCPU machine (raw at T = 1024 reaches ~2200 records/s there)
+DEFAULT_RECORDS = {1024: 12288, 8192: 1024}
+BREAKDOWN_RECORDS = {1024: 1024, 8192: 128}  # ≈ 180 MB of payload in Redis at once
+# glibc malloc with fixed thresholds: no heap trimming and no mmap for blocks below 32 MiB, so freed
+# payload buffers are reused instead of being returned to the kernel and page-faulted back in.
+MALLOC_TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
+
+
+# ---- records ----------------------------------------------------------------------------------------
+
+
+def templates(tokens: int, k: int, group: int, seed: int = 0) -> list:
+    """One job's records with distinct arrays per sample; ids are replaced per job."""
+    import numpy as np
+
+    from maskroll.client.records import RolloutRecord, Semantics
+
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, VOCAB, PROMPT_TOKENS, dtype=np.int32)
+    out = []
+    for i in range(group):
+        topk_lp = np.sort(np.log(rng.random((tokens, k), dtype=np.float32) + 1e-6), axis=1)[:, ::-1]
+        out.append(
+            RolloutRecord(
+                rollout_id="0" * 32,
+                request_id="0" * 32,
+                prompt_ids=prompt,
+                completion_ids=rng.integers(0, VOCAB, tokens, dtype=np.int32),
+                sampled_logprobs=topk_lp[:, 0].copy(),
+                sampled_ranks=np.ones(tokens, np.int32),
+                topk_ids=rng.integers(0, VOCAB, (tokens, k), dtype=np.int32),
+                topk_logprobs=np.ascontiguousarray(topk_lp),
+                finish_reason="length",
+                semantics=Semantics(temperature=1.0, logprobs_k=k, engine="bench", model="bench-model"),
+                policy_version_first=3,
+                policy_version_last=3,
+                job_id="0" * 32,
+                group_id="0" * 32,
+                sample_index=i,
+                replica_id="bench-replica",
+                created_at=1.7e9,
+                group_size=group,
+            )
+        )
+    return out
+
+
+def job_records(tpl: list, job_id: str) -> list:
+    from dataclasses import replace
+
+    from maskroll.client.records import rollout_id_for
+
+    return [
+        replace(r, rollout_id=rollout_id_for(job_id, i), request_id=job_id, job_id=job_id, group_id=job_id)
+        for i, r in enumerate(tpl)
+    ]
+
+
+def payload_bytes(tpl: list) -> list[int]:
+    """len(encode_record) per sample index, with ids of the real length (all ids are 32 hex chars)."""
+    from maskroll.client import wire
+
+    return [len(wire.encode_record(r)) for r in job_records(tpl, uuid.uuid4().hex)]
+
+
+# ---- workers (child processes) ----------------------------------------------------------------------
+
+
+def _usage() -> resource.struct_rusage:
+    return resource.getrusage(resource.RUSAGE_SELF)
+
+
+def _delta(u0: resource.struct_rusage, u1: resource.struct_rusage) -> dict:
+    """CPU seconds (user + sys; all threads), sys seconds and minor page faults between u0 and u1."""
+    return {
+        "cpu_s": (u1.ru_utime + u1.ru_stime) - (u0.ru_utime + u0.ru_stime),
+        "sys_s": u1.ru_stime - u0.ru_stime,
+        "minflt": u1.ru_minflt - u0.ru_minflt,
+    }
+
+
+def _profiled(fn, path: str | None):
+    if not path:
+        return fn()
+    import cProfile
+
+    prof = cProfile.Profile(time.process_time)  # CPU time: waits on Redis do not count
+    try:
+        return prof.runcall(fn)
+    finally:
+        prof.dump_stats(path)
+
+
+def _report(results, role: str, fn, cfg: dict) -> None:
+    try:
+        results.put((role, _profiled(fn, cfg["profile"] and f"{cfg['profile']}.{role}.prof")))
+    except BaseException as e:
+        results.put((role, {"error": f"{type(e).__name__}: {e}"}))
+        raise
+
+
+def producer(cfg: dict, ready, go, acked, results) -> None:
+    from maskroll.client import wire
+    from maskroll.client.streams import F_RECORD, StreamKeys
+
+    mode, stream = cfg["mode"], StreamKeys(cfg["namespace"]).rollouts
+    tpl = templates(cfg["tokens"], cfg["k"], GROUP)
+    jobs, window = cfg["records"] // GROUP, cfg["window"]
+
+    async def run() -> dict:
+        if mode == "maskroll":
+            from maskroll.client.queue import connect
+            from maskroll.server.publisher import RolloutPublisher
+
+            r = connect(cfg["url"])  # as `maskroll serve` builds the publisher's client
+            pub = RolloutPublisher(r, stream, max_len=window + 4 * BATCH)
+        else:
+            import redis.asyncio as aioredis
+
+            r = aioredis.Redis.from_url(cfg["url"])
+            # raw: four distinct pre-encoded jobs, cycled (the raw consumers never look at ids)
+            pool = [[wire.encode_record(x) for x in job_records(tpl, uuid.uuid4().hex)] for _ in range(4)]
+        await r.ping()
+        ready.put("producer")
+        go.wait()
+        waited = 0.0
+        t0, u0 = time.monotonic(), _usage()
+        for j in range(jobs):
+            if j * GROUP - acked.value >= window:
+                w = time.monotonic()
+                while j * GROUP - acked.value >= window:
+                    await asyncio.sleep(0.002)
+                waited += time.monotonic() - w
+            if mode == "maskroll":
+                await pub.publish(job_records(tpl, uuid.uuid4().hex))
+                continue
+            if mode == "raw+codec":
+                payloads = [wire.encode_record(x) for x in job_records(tpl, uuid.uuid4().hex)]
+            else:
+                payloads = pool[j % len(pool)]
+            pipe = r.pipeline(transaction=True)
+            for data in payloads:
+                pipe.xadd(stream, {F_RECORD: data})
+            await pipe.execute()
+        t1, u1 = time.monotonic(), _usage()
+        out = {"start": t0, "end": t1, "window_wait_s": waited, **_delta(u0, u1)}
+        if mode == "maskroll":
+            out["backpressure"] = pub.metrics.backpressure._value.get()
+        await r.aclose()
+        return out
+
+    _report(results, "producer", lambda: asyncio.run(run()), cfg)
+
+
+def consumer(cfg: dict, ready, go, acked, results) -> None:
+    from maskroll.client import wire
+    from maskroll.client.streams import F_RECORD, TRAINER_GROUP, StreamKeys
+
+    mode, stream, n_total = cfg["mode"], StreamKeys(cfg["namespace"]).rollouts, cfg["records"]
+    decode = mode in ("raw+decode", "raw+codec")
+
+    def run_maskroll() -> dict:
+        from maskroll.client.queue import RolloutQueue
+
+        with RolloutQueue(cfg["url"], cfg["namespace"], consumer="bench", batch_size=BATCH) as q:
+            ready.put("consumer")
+            go.wait()
+            t0, u0, n = time.monotonic(), _usage(), 0
+            while n < n_total:
+                batch = q.next_batch(BATCH, timeout=120)
+                q.ack(batch)
+                n += len(batch)
+                acked.value = n
+            t1, u1 = time.monotonic(), _usage()
+            return {"start": t0, "end": t1, "records": n, "duplicates": q.stats.duplicates, **_delta(u0, u1)}
+
+    def handle(entries: list) -> list:
+        ids = [entry_id for entry_id, _ in entries]
+        if decode:
+            recs = [wire.decode_record(fields[F_RECORD]) for _, fields in entries]
+            assert len(recs) == len(ids)
+        return ids
+
+    def run_raw() -> dict:
+        import redis
+
+        r = redis.Redis.from_url(cfg["url"])
+        try:
+            r.xgroup_create(stream, TRAINER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        ready.put("consumer")
+        go.wait()
+        t0, u0, n = time.monotonic(), _usage(), 0
+        while n < n_total:
+            resp = r.xreadgroup(TRAINER_GROUP, "bench", {stream: ">"}, count=BATCH, block=1000)
+            if not resp:
+                continue
+            ids = handle(resp[0][1])
+            pipe = r.pipeline(transaction=True)
+            pipe.xack(stream, TRAINER_GROUP, *ids)
+            pipe.xdel(stream, *ids)
+            pipe.execute()
+            n += len(ids)
+            acked.value = n
+        t1, u1 = time.monotonic(), _usage()
+        r.close()
+        return {"start": t0, "end": t1, "records": n, **_delta(u0, u1)}
+
+    async def run_raw_async() -> dict:
+        import redis.asyncio as aioredis
+        from redis.exceptions import ResponseError
+
+        r = aioredis.Redis.from_url(cfg["url"])
+        try:
+            await r.xgroup_create(stream, TRAINER_GROUP, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        ready.put("consumer")
+        go.wait()
+        t0, u0, n = time.monotonic(), _usage(), 0
+        while n < n_total:
+            resp = await r.xreadgroup(TRAINER_GROUP, "bench", {stream: ">"}, count=BATCH, block=1000)
+            if not resp:
+                continue
+            ids = handle(resp[0][1])
+            pipe = r.pipeline(transaction=True)
+            pipe.xack(stream, TRAINER_GROUP, *ids)
+            pipe.xdel(stream, *ids)
+            await pipe.execute()
+            n += len(ids)
+            acked.value = n
+        t1, u1 = time.monotonic(), _usage()
+        await r.aclose()
+        return {"start": t0, "end": t1, "records": n, **_delta(u0, u1)}
+
+    def run() -> dict:
+        if mode == "maskroll":
+            return run_maskroll()
+        if cfg["raw_client"] == "async":
+            return asyncio.run(run_raw_async())
+        return run_raw()
+
+    _report(results, "consumer", run, cfg)
+
+
+# ---- parent ---------------------------------------------------------------------------------------
+
+
+def redis_cpu(client) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine so far, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq) / hz, steal / hz
+
+
+def run_once(url: str, mode: str, tokens: int, records: int, window: int, args) -> dict:
+    import redis
+
+    ctx = mp.get_context("spawn")
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    acked = ctx.RawValue("q", 0)
+    admin = redis.Redis.from_url(url)
+    admin.flushall()  # our private server: nothing else lives there
+    cfg = {
+        "url": url,
+        "namespace": f"bench-{uuid.uuid4().hex[:8]}",
+        "mode": mode,
+        "tokens": tokens,
+        "k": args.topk,
+        "records": records,
+        "window": window,
+        "raw_client": args.raw_client,
+        "profile": args.profile and os.path.join(args.profile, f"{mode}-T{tokens}-{uuid.uuid4().hex[:6]}"),
+    }
+    procs = [
+        ctx.Process(target=role, args=(cfg, ready, go, acked, results), daemon=True)
+        for role in (consumer, producer)
+    ]
+    for p in procs:
+        p.start()
+    out: dict = {}
+    try:
+        for _ in procs:
+            ready.get(timeout=180)
+        rcpu0, (busy0, steal0), w0 = redis_cpu(admin), machine_cpu(), time.monotonic()
+        go.set()
+        for _ in procs:
+            role, res = results.get(timeout=900)
+            out[role] = res
+        rcpu1, (busy1, steal1), w1 = redis_cpu(admin), machine_cpu(), time.monotonic()
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:  # only the two workers started above
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        admin.flushall()
+        admin.close()
+    errors = [f"{role}: {res['error']}" for role, res in out.items() if "error" in res]
+    if errors:
+        raise RuntimeError(f"{mode} T={tokens}: " + "; ".join(errors))
+    prod, cons = out["producer"], out["consumer"]
+    ours = prod["cpu_s"] + cons["cpu_s"] + (rcpu1 - rcpu0)
+    return {
+        "mode": mode,
+        "tokens": tokens,
+        "records": cons["records"],
+        "seconds": cons["end"] - prod["start"],
+        "producer_seconds": prod["end"] - prod["start"],
+        "producer_window_wait_s": prod["window_wait_s"],
+        "producer_cpu_s": prod["cpu_s"],
+        "consumer_cpu_s": cons["cpu_s"],
+        "redis_cpu_s": rcpu1 - rcpu0,
+        "producer_sys_s": prod["sys_s"],
+        "consumer_sys_s": cons["sys_s"],
+        "producer_minflt": prod["minflt"],
+        "consumer_minflt": cons["minflt"],
+        # CPU the rest of the machine used meanwhile (cores, averaged over the run), and VM steal
+        "others_cores": max(0.0, (busy1 - busy0) - ours) / (w1 - w0),
+        "steal_cores": (steal1 - steal0) / (w1 - w0),
+        "backpressure": prod.get("backpressure", 0),
+        "duplicates": cons.get("duplicates", 0),
+    }
+
+
+def summarise(runs: list[dict], sizes: dict[int, float]) -> list[dict]:
+    rows = []
+    med = statistics.median
+    for tokens in sorted({r["tokens"] for r in runs}):
+        by_mode = {m: [r for r in runs if r["tokens"] == tokens and r["mode"] == m] for m in MODES}
+        mask = by_mode["maskroll"]
+        for mode in MODES:
+            rs = by_mode[mode]
+            if not rs:
+                continue
+            n = rs[0]["records"]
+            rate = med(r["records"] / r["seconds"] for r in rs)
+
+            def per_rec(key: str, scale: float = 1e6, rs=rs, n=n) -> float:
+                return med(r[key] / n * scale for r in rs)
+
+            row = {
+                "tokens": tokens,
+                "mode": mode,
+                "records": n,
+                "payload_bytes": sizes[tokens],
+                "seconds": med(r["seconds"] for r in rs),
+                "records_per_s": rate,
+                "mb_per_s": rate * sizes[tokens] / 1e6,
+                "producer_cpu_us": per_rec("producer_cpu_s"),
+                "consumer_cpu_us": per_rec("consumer_cpu_s"),
+                "redis_cpu_us": per_rec("redis_cpu_s"),
+                "total_cpu_us": med(_total(r) / n * 1e6 for r in rs),
+                "producer_sys_us": per_rec("producer_sys_s"),
+                "consumer_sys_us": per_rec("consumer_sys_s"),
+                "producer_faults": per_rec("producer_minflt", 1.0),
+                "consumer_faults": per_rec("consumer_minflt", 1.0),
+                "producer_window_wait_s": med(r["producer_window_wait_s"] for r in rs),
+                "others_cores": med(r["others_cores"] for r in rs),
+                "steal_cores": med(r["steal_cores"] for r in rs),
+                "backpressure": max(r["backpressure"] for r in rs),
+                "reps": len(rs),
+            }
+            if mode != "maskroll" and mask:
+                # paired: repetition i of maskroll against repetition i of this mode (same N, back to back)
+                pairs = list(zip(mask, rs, strict=False))
+                row["maskroll_over_this"] = med(b["seconds"] / m["seconds"] for m, b in pairs)
+                row["maskroll_over_this_cpu"] = med(_total(b) / _total(m) for m, b in pairs)
+            rows.append(row)
+    return rows
+
+
+def _total(run: dict) -> float:
+    return run["producer_cpu_s"] + run["consumer_cpu_s"] + run["redis_cpu_s"]
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        f"{'T':>5} {'mode':<10} {'N':>5} {'KB/rec':>7} {'s':>6} {'rec/s':>6} {'MB/s':>5} {'mr/this':>7} "
+        f"{'prod':>5} {'cons':>5} {'redis':>5} {'Σ µs':>5} {'mr/this':>7} {'faults p/c':>10} {'others':>6}"
+    )
+    over = f"{'':>5} {'':<10} {'':>5} {'':>7} {'':>6} {'':>6} {'':>5} {'wall':>7} "
+    over += f"{'— CPU µs per record —':^23} {'CPU':>7} {'per rec':>10} {'cores':>6}"
+    lines = [head, over, "-" * len(head)]
+    for r in rows:
+        wall = f"{r['maskroll_over_this']:.2f}" if "maskroll_over_this" in r else "—"
+        cpu = f"{r['maskroll_over_this_cpu']:.2f}" if "maskroll_over_this_cpu" in r else "—"
+        faults = f"{r['producer_faults']:.0f}/{r['consumer_faults']:.0f}"
+        lines.append(
+            f"{r['tokens']:>5} {r['mode']:<10} {r['records']:>5} {r['payload_bytes'] / 1e3:>7.1f} "
+            f"{r['seconds']:>6.2f} {r['records_per_s']:>6.0f} {r['mb_per_s']:>5.0f} {wall:>7} "
+            f"{r['producer_cpu_us']:>5.0f} {r['consumer_cpu_us']:>5.0f} {r['redis_cpu_us']:>5.0f} "
+            f"{r['total_cpu_us']:>5.0f} {cpu:>7} {faults:>10} {r['others_cores']:>6.2f}"
+        )
+    lines += [
+        "mr/this wall: maskroll's records/s over this mode's. mr/this CPU: this mode's producer + consumer",
+        "+ redis-server CPU per record over maskroll's (both medians of per-repetition ratios).",
+        "faults p/c: minor page faults per record, producer / consumer. others: cores the rest of the",
+        "machine kept busy meanwhile.",
+    ]
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict]) -> list[str]:
+    out = []
+    for tokens in sorted({r["tokens"] for r in rows}):
+        these = {r["mode"]: r for r in rows if r["tokens"] == tokens and "maskroll_over_this" in r}
+        if "raw" not in these:
+            continue
+        raw = these.pop("raw")
+        ok = raw["maskroll_over_this"] >= TARGET_RATIO
+        parts = [
+            f"T={tokens}: maskroll/raw = {raw['maskroll_over_this']:.2f} records/s "
+            f"({'meets' if ok else 'misses'} the ≥ {TARGET_RATIO} target; CPU ratio "
+            f"{raw['maskroll_over_this_cpu']:.2f})"
+        ]
+        parts += [
+            f"maskroll/{m} = {r['maskroll_over_this']:.2f} (CPU {r['maskroll_over_this_cpu']:.2f})"
+            for m, r in these.items()
+        ]
+        out.append("; ".join(parts))
+    return out
+
+
+# ---- breakdown: one side at a time, sequentially, CPU time per record ------------------------------
+
+
+def breakdown_child(url: str, tokens: int, k: int, n: int, results) -> None:
+    """Each step alone in this process against a quiet Redis: this process's CPU (all threads) and
+    redis-server's, per record; the best of three passes. Producer steps publish n records into an
+    empty stream (deleted between passes); consumer steps drain a stream pre-filled with n records of
+    distinct rollout ids (filling is not timed)."""
+    import redis
+    import redis.asyncio as aioredis
+
+    from maskroll.client import wire
+    from maskroll.client.queue import AsyncRolloutQueue, RolloutQueue, connect
+    from maskroll.client.streams import F_RECORD, TRAINER_GROUP, StreamKeys
+    from maskroll.server.publisher import RolloutPublisher
+
+    tpl = templates(tokens, k, GROUP)
+    pool = [[wire.encode_record(x) for x in job_records(tpl, uuid.uuid4().hex)] for _ in range(4)]
+    admin = redis.Redis.from_url(url)
+    out: dict[str, dict] = {}
+
+    def measure(name: str, setup, step) -> None:
+        best = None
+        for _ in range(3):
+            admin.flushall()
+            arg = setup()
+            c0, r0 = time.process_time(), redis_cpu(admin)
+            step(arg)
+            c1, r1 = time.process_time(), redis_cpu(admin)
+            res = {"cpu_us": (c1 - c0) / n * 1e6, "redis_us": (r1 - r0) / n * 1e6}
+            if best is None or res["cpu_us"] + res["redis_us"] < best["cpu_us"] + best["redis_us"]:
+                best = res
+        out[name] = best
+
+    # producer steps
+    async def produce(kind: str) -> None:
+        keys = StreamKeys(f"b{uuid.uuid4().hex[:6]}")
+        r = connect(url) if kind == "publish" else aioredis.Redis.from_url(url)
+        pub = RolloutPublisher(r, keys.rollouts, max_len=10**9)
+        await r.ping()
+        for j in range(n // GROUP):
+            if kind == "publish":
+                await pub.publish(job_records(tpl, uuid.uuid4().hex))
+                continue
+            if kind == "encode":
+                payloads = [wire.encode_record(x) for x in job_records(tpl, uuid.uuid4().hex)]
+            else:
+                payloads = pool[j % len(pool)]
+            pipe = r.pipeline(transaction=True)
+            for data in payloads:
+                pipe.xadd(keys.rollouts, {F_RECORD: data})
+            await pipe.execute()
+        await r.aclose()
+
+    for name, kind in (
+        ("produce: XADD pre-encoded (raw)", "raw"),
+        ("produce: encode_record + XADD (raw+codec)", "encode"),
+        ("produce: RolloutPublisher.publish (maskroll)", "publish"),
+    ):
+        measure(name, lambda: None, lambda _, kind=kind: asyncio.run(produce(kind)))
+
+    # consumer steps
+    def fill() -> str:
+        ns = f"b{uuid.uuid4().hex[:6]}"
+        keys = StreamKeys(ns)
+        admin.xgroup_create(keys.rollouts, TRAINER_GROUP, id="0", mkstream=True)
+        for _ in range(n // GROUP):
+            pipe = admin.pipeline(transaction=False)
+            for x in job_records(tpl, uuid.uuid4().hex):
+                pipe.xadd(keys.rollouts, {F_RECORD: wire.encode_record(x)})
+            pipe.execute()
+        return ns
+
+    def drain_sync(ns: str, decode: bool) -> None:
+        stream, r, got = StreamKeys(ns).rollouts, redis.Redis.from_url(url), 0
+        while got < n:
+            entries = r.xreadgroup(TRAINER_GROUP, "b", {stream: ">"}, count=BATCH)[0][1]
+            ids = [e for e, _ in entries]
+            if decode:
+                [wire.decode_record(f[F_RECORD]) for _, f in entries]
+            pipe = r.pipeline(transaction=True)
+            pipe.xack(stream, TRAINER_GROUP, *ids)
+            pipe.xdel(stream, *ids)
+            pipe.execute()
+            got += len(ids)
+        r.close()
+
+    async def drain_async(ns: str, decode: bool) -> None:
+        stream, r, got = StreamKeys(ns).rollouts, aioredis.Redis.from_url(url), 0
+        while got < n:
+            entries = (await r.xreadgroup(TRAINER_GROUP, "b", {stream: ">"}, count=BATCH))[0][1]
+            ids = [e for e, _ in entries]
+            if decode:
+                [wire.decode_record(f[F_RECORD]) for _, f in entries]
+            pipe = r.pipeline(transaction=True)
+            pipe.xack(stream, TRAINER_GROUP, *ids)
+            pipe.xdel(stream, *ids)
+            await pipe.execute()
+            got += len(ids)
+        await r.aclose()
+
+    async def drain_queue(ns: str) -> None:
+        async with AsyncRolloutQueue(url, ns, consumer="b", batch_size=BATCH) as q:
+            got = 0
+            while got < n:
+                batch = await q.next_batch(BATCH, timeout=60)
+                await q.ack(batch)
+                got += len(batch)
+
+    def drain_sync_queue(ns: str) -> None:
+        with RolloutQueue(url, ns, consumer="b", batch_size=BATCH) as q:
+            got = 0
+            while got < n:
+                batch = q.next_batch(BATCH, timeout=60)
+                q.ack(batch)
+                got += len(batch)
+
+    for name, step in (
+        ("consume: sync XREADGROUP + XACK/XDEL (raw)", lambda ns: drain_sync(ns, False)),
+        ("consume: + decode_record (raw+decode)", lambda ns: drain_sync(ns, True)),
+        ("consume: asyncio XREADGROUP + XACK/XDEL", lambda ns: asyncio.run(drain_async(ns, False))),
+        ("consume: asyncio + decode_record", lambda ns: asyncio.run(drain_async(ns, True))),
+        ("consume: AsyncRolloutQueue next_batch + ack", lambda ns: asyncio.run(drain_queue(ns))),
+        ("consume: RolloutQueue next_batch + ack (maskroll)", drain_sync_queue),
+    ):
+        measure(name, fill, step)
+
+    # the queue's per-record bookkeeping commands, alone (64 records per call, 50 calls) and alternatives
+    async def commands() -> None:
+        r = aioredis.Redis.from_url(url)
+        keys = [f"maskroll:b:done:{uuid.uuid4().hex}" for _ in range(BATCH)]
+        ids = [f"{i}-0" for i in range(1, BATCH + 1)]
+        mark = r.register_script("for _, k in ipairs(KEYS) do redis.call('SET', k, 1, 'PX', ARGV[1]) end")
+        await mark(keys=keys, args=[1000])
+
+        async def exists() -> None:  # AsyncRolloutQueue._ingest
+            pipe = r.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(k)
+            await pipe.execute()
+
+        async def ack(sets: str) -> None:  # AsyncRolloutQueue.ack
+            pipe = r.pipeline(transaction=True)
+            pipe.xack("s", TRAINER_GROUP, *ids)
+            pipe.xdel("s", *ids)
+            if sets == "set":
+                for k in keys:
+                    pipe.set(k, 1, px=604_800_000)
+            elif sets == "lua":
+                await mark(keys=keys, args=[604_800_000], client=pipe)
+            await pipe.execute()
+
+        for name, fn in (
+            ("dedupe: 64 EXISTS, one pipeline (queue)", exists),
+            ("dedupe: one MGET of the 64 done keys", lambda: r.mget(keys)),
+            ("ack: MULTI XACK + XDEL", lambda: ack("")),
+            ("ack: MULTI XACK + XDEL + 64 SET PX (queue)", lambda: ack("set")),
+            ("ack: MULTI XACK + XDEL + EVALSHA(64 SET PX)", lambda: ack("lua")),
+        ):
+            best = None
+            for _ in range(3):
+                c0, r0 = time.process_time(), redis_cpu(admin)
+                for _ in range(50):
+                    await fn()
+                c1, r1 = time.process_time(), redis_cpu(admin)
+                res = {"cpu_us": (c1 - c0) / (50 * BATCH) * 1e6, "redis_us": (r1 - r0) / (50 * BATCH) * 1e6}
+                if best is None or res["cpu_us"] < best["cpu_us"]:
+                    best = res
+            out[name] = best
+        await r.aclose()
+
+    admin.flushall()
+    asyncio.run(commands())
+    admin.flushall()
+    admin.close()
+    results.put(out)
+
+
+def breakdown(url: str, tokens: int, k: int, n: int) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    p = ctx.Process(target=breakdown_child, args=(url, tokens, k, n, results), daemon=True)
+    p.start()
+    try:
+        return results.get(timeout=900)
+    finally:
+        p.join(30)
+        if p.is_alive():  # only the child started above
+            p.terminate()
+            p.join(5)
+
+
+def breakdown_table(tokens: int, steps: dict) -> str:
+    lines = [
+        f"T={tokens}: CPU µs per record, one side alone (best of 3)",
+        f"{'step':<52} {'client':>7} {'redis':>6}",
+    ]
+    lines += [f"{name:<52} {v['cpu_us']:>7.0f} {v['redis_us']:>6.0f}" for name, v in steps.items()]
+    return "\n".join(lines)
+
+
+def machine(url: str) -> dict:
+    import google.protobuf
+    import redis
+    from google.protobuf.internal import api_implementation
+
+    cpu = "unknown"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    client = redis.Redis.from_url(url)
+    server = client.info("server")["redis_version"]
+    client.close()
+    try:
+        import hiredis  # noqa: F401
+
+        parser = "hiredis"
+    except ImportError:
+        parser = "pure-Python (no hiredis)"
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "redis_server": server,
+        "redis_py": redis.__version__,
+        "redis_py_parser": parser,
+        "protobuf": f"{google.protobuf.__version__} ({api_implementation.Type()})",
+        "loadavg_start": os.getloadavg(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, action="append", help="T (repeatable); default 1024 and 8192")
+    p.add_argument("--topk", type=int, default=20, help="K top logprobs per token")
+    p.add_argument("--records", type=int, help="N records per run (rounded up to a multiple of 64)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of each mode (median reported)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument(
+        "--raw-client",
+        choices=("sync", "async"),
+        default="sync",
+        help="redis-py client of the raw consumers: redis.Redis (default) or redis.asyncio",
+    )
+    p.add_argument(
+        "--malloc-tuned",
+        action="store_true",
+        help=f"run the producer and consumer with {' '.join(f'{k}={v}' for k, v in MALLOC_TUNED.items())}",
+    )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="instead: each side alone, step by step (raw, + decode, asyncio, queue), CPU per record",
+    )
+    p.add_argument("--quick", action="store_true", help="1/8 of the records, 1 repetition")
+    p.add_argument("--profile", metavar="DIR", help="cProfile (CPU time) every worker into DIR/*.prof")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",")]
+    if unknown := set(modes) - set(MODES):
+        p.error(f"unknown modes {sorted(unknown)}; expected some of {list(MODES)}")
+    if args.quick:
+        args.reps = 1
+    token_list = args.tokens or sorted(DEFAULT_RECORDS)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+
+    from maskroll.client.local_redis import LocalRedis
+
+    runs: list[dict] = []
+    sizes: dict[int, float] = {}
+    with LocalRedis() as server:
+        if args.malloc_tuned:  # after redis-server started: the workers (spawned below) inherit it
+            os.environ.update(MALLOC_TUNED)
+        info = machine(server.url)
+        info["malloc_tuned"] = args.malloc_tuned
+        print(
+            f"bench/queue.py: T={token_list} K={args.topk} group={GROUP} batch={BATCH} reps={args.reps} | "
+            f"{info['cpu']}, {info['cores']} cores, Python {info['python']}, redis-server "
+            f"{info['redis_server']}, redis-py {info['redis_py']} ({info['redis_py_parser']}), protobuf "
+            f"{info['protobuf']}, load {info['loadavg_start'][0]:.2f}"
+            + (", malloc tuned" if args.malloc_tuned else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        if args.breakdown:
+            steps = {}
+            for tokens in token_list:
+                n = args.records or BREAKDOWN_RECORDS.get(tokens, 128)
+                steps[tokens] = breakdown(server.url, tokens, args.topk, max(BATCH, n // BATCH * BATCH))
+                print(breakdown_table(tokens, steps[tokens]) + "\n", file=sys.stderr, flush=True)
+            if args.json:
+                print(json.dumps({"machine": info, "args": vars(args), "breakdown": steps}, indent=1))
+            else:
+                print("\n\n".join(breakdown_table(t, v) for t, v in steps.items()))
+            return 0
+        for tokens in token_list:
+            per_index = payload_bytes(templates(tokens, args.topk, GROUP))
+            sizes[tokens] = sum(per_index) / len(per_index)
+            n = args.records or DEFAULT_RECORDS.get(tokens, 512)
+            if args.quick:
+                n //= 8
+            n = max(BATCH, -(-n // BATCH) * BATCH)
+            window = max(4 * BATCH, int(WINDOW_BYTES / sizes[tokens]) // GROUP * GROUP)
+            for rep in range(args.reps):
+                order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
+                for mode in order:
+                    r = run_once(server.url, mode, tokens, n, window, args)
+                    runs.append(r)
+                    print(
+                        f"  T={tokens} rep {rep + 1}/{args.reps} {mode:<10}: {r['records']} records in "
+                        f"{r['seconds']:.2f} s = {r['records'] / r['seconds']:.0f} rec/s, CPU "
+                        f"{_total(r) / r['records'] * 1e6:.0f} µs/rec (producer done at "
+                        f"{r['producer_seconds']:.2f} s, {r['producer_window_wait_s']:.2f} s of it waiting; "
+                        f"others {r['others_cores']:.2f} cores)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    info["loadavg_end"] = os.getloadavg()
+    rows = summarise(runs, sizes)
+    if args.json:
+        out = {"machine": info, "args": vars(args), "results": rows, "runs": runs, "verdict": verdict(rows)}
+        print(json.dumps(out, indent=1))
+    else:
+        print(table(rows))
+        print("\n" + "\n".join(verdict(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
