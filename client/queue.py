@@ -100,6 +100,26 @@ async def ensure_group(r: aioredis.Redis, stream: str, group: str) -> None:
             raise
 
 
+def ack_and_delete(pipe, stream: str, group: str, *entry_ids: bytes) -> None:
+    """Queue XACK + XDEL on a pipeline: a consumed entry leaves the stream, so XLEN is the backlog."""
+    pipe.xack(stream, group, *entry_ids)
+    pipe.xdel(stream, *entry_ids)
+
+
+async def dead_letter(
+    r: aioredis.Redis, keys: StreamKeys, stream: str, group: str, entry_id: bytes, fields: dict, reason: str
+) -> None:
+    """Move an entry no consumer can decode to the dead-letter stream, atomically with its ack."""
+    log.warning("dead-lettering %s entry %s: %s", stream, entry_id, reason)
+    payload = b"".join(fields.values()) if fields else b""
+    pipe = r.pipeline(transaction=True)
+    pipe.xadd(
+        keys.dead_letters, {b"stream": stream, b"id": entry_id, b"reason": reason[:500], b"payload": payload}
+    )
+    ack_and_delete(pipe, stream, group, entry_id)
+    await pipe.execute()
+
+
 def _default_consumer() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -412,21 +432,13 @@ class AsyncRolloutQueue:
     async def _finish(self, entry_ids: list[bytes]) -> None:
         if entry_ids:
             pipe = self._r.pipeline(transaction=True)
-            pipe.xack(self.keys.rollouts, TRAINER_GROUP, *entry_ids)
-            pipe.xdel(self.keys.rollouts, *entry_ids)
+            ack_and_delete(pipe, self.keys.rollouts, TRAINER_GROUP, *entry_ids)
             await self._call(pipe.execute())
 
     async def _dead_letter(self, entry_id: bytes, fields: dict, reason: str) -> None:
-        log.warning("dead-lettering rollout entry %s: %s", entry_id, reason)
-        payload = b"".join(fields.values()) if fields else b""
-        pipe = self._r.pipeline(transaction=True)
-        pipe.xadd(
-            self.keys.dead_letters,
-            {b"stream": self.keys.rollouts, b"id": entry_id, b"reason": reason[:500], b"payload": payload},
+        await self._call(
+            dead_letter(self._r, self.keys, self.keys.rollouts, TRAINER_GROUP, entry_id, fields, reason)
         )
-        pipe.xack(self.keys.rollouts, TRAINER_GROUP, entry_id)
-        pipe.xdel(self.keys.rollouts, entry_id)
-        await self._call(pipe.execute())
         self.stats.dead_lettered += 1
 
     async def _job_failed(self, entry_id: bytes, fields: dict) -> None:
@@ -453,8 +465,7 @@ class AsyncRolloutQueue:
         if not ids:
             return
         pipe = self._r.pipeline(transaction=True)
-        pipe.xack(self.keys.rollouts, TRAINER_GROUP, *ids)
-        pipe.xdel(self.keys.rollouts, *ids)
+        ack_and_delete(pipe, self.keys.rollouts, TRAINER_GROUP, *ids)
         now = time.time()
         pipe.zadd(self.keys.done, {rec.rollout_id: now for rec in batch})
         pipe.zremrangebyscore(self.keys.done, "-inf", now - self.done_ttl_ms / 1000)  # forget old acks

@@ -58,6 +58,19 @@ class EngineOutput:
     policy_version: int
     finish_reason: str | None = None  # "stop" | "length" on the last output
 
+    @classmethod
+    def empty(cls, k: int, policy_version: int, finish_reason: str | None = None) -> EngineOutput:
+        """No tokens: how a stream ends without a new token (abort, or a finish after the last one)."""
+        return cls(
+            token_ids=np.zeros(0, np.int32),
+            sampled_logprobs=np.zeros(0, np.float32),
+            sampled_ranks=np.zeros(0, np.int32),
+            topk_ids=np.zeros((0, k), np.int32),
+            topk_logprobs=np.zeros((0, k), np.float32),
+            policy_version=policy_version,
+            finish_reason=finish_reason,
+        )
+
 
 @dataclass(frozen=True)
 class EngineLimits:

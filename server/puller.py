@@ -20,7 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from maskroll.client import wire
-from maskroll.client.queue import ensure_group
+from maskroll.client.queue import ack_and_delete, dead_letter, ensure_group
 from maskroll.client.records import PromptJob, RolloutRecord
 from maskroll.client.streams import F_JOB, REPLICA_GROUP, StreamKeys
 
@@ -152,21 +152,11 @@ class PromptPuller:
 
     async def _ack(self, entry_id: bytes) -> None:
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xack(self.keys.prompts, REPLICA_GROUP, entry_id)
-        pipe.xdel(self.keys.prompts, entry_id)
+        ack_and_delete(pipe, self.keys.prompts, REPLICA_GROUP, entry_id)
         await pipe.execute()
 
     async def _dead_letter(self, entry_id: bytes, fields: dict, reason: str) -> None:
-        log.warning("dead-lettering prompt entry %s: %s", entry_id, reason)
-        pipe = self.redis.pipeline(transaction=True)
-        payload = b"".join(fields.values()) if fields else b""
-        pipe.xadd(
-            self.keys.dead_letters,
-            {b"stream": self.keys.prompts, b"id": entry_id, b"reason": reason[:500], b"payload": payload},
-        )
-        pipe.xack(self.keys.prompts, REPLICA_GROUP, entry_id)
-        pipe.xdel(self.keys.prompts, entry_id)
-        await pipe.execute()
+        await dead_letter(self.redis, self.keys, self.keys.prompts, REPLICA_GROUP, entry_id, fields, reason)
 
     async def _heartbeat(self) -> None:
         """Refresh the registry key and keep running jobs' idle time below the reclaim threshold."""

@@ -178,16 +178,8 @@ class SampleBuilder:
     def abort(self, *, current_version: int, now: float) -> RolloutChunk:
         """The last chunk of a sample that ends without finishing (server drain, engine abort)."""
         k = self.header.semantics.logprobs_k
-        empty = EngineOutput(
-            token_ids=np.zeros(0, np.int32),
-            sampled_logprobs=np.zeros(0, np.float32),
-            sampled_ranks=np.zeros(0, np.int32),
-            topk_ids=np.zeros((0, k), np.int32),
-            topk_logprobs=np.zeros((0, k), np.float32),
-            policy_version=current_version,
-        )
         chunk = chunk_for(
-            empty,
+            EngineOutput.empty(k, current_version),
             request_id=self.header.request_id,
             sample_index=self.sample_index,
             start_index=self.num_tokens,

@@ -333,7 +333,7 @@ class VllmEngine(Engine):
                     continue  # the request just left the output processor; its final output is next
                 if not held:
                     if finish is not None:
-                        yield _empty_output(k, self._version, finish)
+                        yield EngineOutput.empty(k, self._version, finish)
                     continue
                 arrays = tuple(np.concatenate(a) for a in zip(*held, strict=True))
                 held.clear()
@@ -434,15 +434,3 @@ def _finish_reason(reason: str | None) -> str | None:
     if reason is None or reason in ("stop", "length", "abort"):
         return reason
     raise RuntimeError(f"vLLM finished the request with {reason!r}")
-
-
-def _empty_output(k: int, version: int, finish: str) -> EngineOutput:
-    return EngineOutput(
-        token_ids=np.zeros(0, np.int32),
-        sampled_logprobs=np.zeros(0, np.float32),
-        sampled_ranks=np.zeros(0, np.int32),
-        topk_ids=np.zeros((0, k), np.int32),
-        topk_logprobs=np.zeros((0, k), np.float32),
-        policy_version=version,
-        finish_reason=finish,
-    )
