@@ -3,11 +3,11 @@
 A private Redis, two pull-mode rollout replicas (`maskroll serve --pull`, engine auto: vLLM if
 installed, else the torch engine) on a model made by `init-model`, and a trainer loop in the
 foreground: submit prompts under admission control → consume whole GRPO groups → collate → group
-advantages → compute_masks → policy_loss → Adam → save weights → broadcast_weights → next step, with
-max_staleness = 1 so generation and training overlap. The task (demo_task) is verifiable: write digits.
+advantages → compute_masks → policy_loss → Adam → publish weights → next step, with max_staleness = 1
+so generation and training overlap. The task (`maskroll.recipes.digits`) is verifiable: write digits.
 
-This module is an application of all three components (it lives beside the CLI, which is the one place
-that spans them); the trainer loop uses only their public APIs, as a user's trainer would.
+This module is the orchestrator only (processes, CLI, summary, figure): the trainer is the GRPO recipe
+(`recipes/grpo.py`), which uses only the public APIs, as a user's trainer would.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -148,114 +147,18 @@ class Cluster:
 # ---- the trainer loop -------------------------------------------------------------------------------
 
 
-@dataclass
-class StepLog:
-    step: int
-    reward: float
-    mask_frac: float
-    far_frac: float
-    divergence_mean: float
-    mismatch_kl: float
-    staleness: float
-    policy_version: int
-    tokens_per_s: float
-    loss: float
-    agree_ratio_far: float
-    agree_predictive_far: float
-    agree_ratio_all: float
-    agree_predictive_all: float
-    disagreement_frac_far: float
-    seconds: float
-    replicas: dict[str, int] = field(default_factory=dict)
+def grpo_config(cfg: DemoConfig):
+    """The trainer's part of the demo's configuration (the recipe's own config)."""
+    from maskroll.recipes.grpo import GRPOConfig
+
+    return GRPOConfig(**{f.name: getattr(cfg, f.name) for f in fields(GRPOConfig)})
 
 
-def _mask_config(cfg: DemoConfig):
-    from maskroll.trainer_adapter import MaskConfig
+def run(cfg: DemoConfig) -> dict:
+    """Run one demo (cluster up, train with the GRPO recipe, cluster down); returns the summary dict."""
+    from maskroll.recipes import grpo
 
-    kw = {} if cfg.delta is None else {"delta": cfg.delta}
-    return MaskConfig(method=cfg.method, divergence=cfg.divergence, estimator=cfg.estimator, **kw)
-
-
-def _grpc_auth() -> dict:
-    """The replicas' bearer token and TLS roots, from the same variables `maskroll serve` reads."""
-    ca = os.environ.get("MASKROLL_HEALTHCHECK_TLS_CA") or os.environ.get("MASKROLL_TLS_CERT")
-    return {
-        "token": os.environ.get("MASKROLL_AUTH_TOKEN") or None,
-        "root_certs": Path(ca).read_bytes() if ca else None,
-    }
-
-
-def _evaluate(address: str, tok_prompts: list[list[int]], cfg: DemoConfig) -> float:
-    """Mean reward on held-out prompts, sampled by one replica at its current weights."""
-    from maskroll.client import SamplingOptions, SyncRolloutClient
-
-    from .demo_task import digit_reward
-
-    opts = SamplingOptions(
-        max_tokens=cfg.max_tokens,
-        logprobs_k=0,
-        temperature=cfg.temperature,
-        n=cfg.eval_n,
-        seed=cfg.seed + 777,
-    )
-    rewards = []
-    with SyncRolloutClient(address, **_grpc_auth()) as c:
-        for p in tok_prompts:
-            rewards += [digit_reward(r.completion_ids, cfg.max_tokens) for r in c.generate_records(p, opts)]
-    return sum(rewards) / len(rewards)
-
-
-def _completion_logits(model, b):  # -> [B, T, V], the logits that predict the completion tokens
-    out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids)
-    return out.logits[:, b.completion_logits_slice]
-
-
-def _masks(logits, b, mask_cfg, **kw):
-    from maskroll.trainer_adapter import compute_masks
-
-    return compute_masks(
-        logits,
-        b.completion_ids,
-        b.sampled_logprobs,
-        b.topk_ids,
-        b.topk_logprobs,
-        b.advantages,
-        config=mask_cfg,
-        temperature=b.temperature,
-        response_mask=b.response_mask,
-        **kw,
-    )
-
-
-def _progress(step: int, total: int, log: StepLog) -> str:
-    width = 20
-    done = int(width * step / total)
-    bar = "█" * done + "·" * (width - done)
-    return (
-        f"[{bar}] step {step:3d}/{total}  reward {log.reward:.3f}  masked {log.mask_frac:6.2%}  "
-        f"D {log.divergence_mean:.4f}  mismatch KL {log.mismatch_kl:.4f}  stale {log.staleness:.2f}  "
-        f"v{log.policy_version}  {log.tokens_per_s:6.0f} tok/s"
-    )
-
-
-def train(cfg: DemoConfig) -> dict:
-    """Run one demo (cluster up, train, evaluate, cluster down); returns the summary dict."""
-    import numpy as np
-    import torch
-    import transformers
-    from safetensors.torch import save_file
-
-    from maskroll.client import SamplingOptions, SyncRolloutClient
-    from maskroll.client.queue import RolloutQueue
-    from maskroll.trainer_adapter import (
-        collate,
-        direction_agreement,
-        policy_loss,
-        token_logprobs,
-    )
-
-    from .demo_task import digit_reward, held_out, prompts
-    from .model_init import encode_text, init_model
+    from .model_init import init_model
 
     out = cfg.out
     out.mkdir(parents=True, exist_ok=True)
@@ -267,14 +170,6 @@ def train(cfg: DemoConfig) -> dict:
         shutil.rmtree(weights)  # versions restart at 1 with fresh replicas
     weights.mkdir(parents=True, exist_ok=True)
 
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    torch.set_num_threads(1)
-    rng = random.Random(cfg.seed)
-    mask_cfg = _mask_config(cfg)
-    opts = SamplingOptions(max_tokens=cfg.max_tokens, logprobs_k=cfg.logprobs_k, temperature=cfg.temperature)
-    eval_prompts = [encode_text(model_dir, p) for p in held_out(cfg.eval_prompts)]
-
     t_start = time.monotonic()
     print(
         f"maskroll demo: {cfg.replicas} replicas (engine {cfg.engine}), method {cfg.method} + "
@@ -284,114 +179,17 @@ def train(cfg: DemoConfig) -> dict:
     with Cluster(cfg, model_dir.resolve(), weights, out / "logs") as cluster:
         cluster.wait_ready()
         print(f"  replicas ready after {time.monotonic() - t_start:.0f} s", flush=True)
-        transformers.utils.logging.disable_progress_bar()
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        model.train()
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-        with RolloutQueue(
-            cluster.url,
-            cfg.namespace,
-            batch_size=cfg.batch_size,
-            max_staleness=cfg.max_staleness,
-            **_grpc_auth(),
-        ) as q:
-            deadline = time.monotonic() + 60
-            while len(reps := q.replicas()) < (cfg.replicas if cfg.spawn else 1):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("replicas did not register in Redis")
-                time.sleep(0.1)
-            eval_address = reps[0].address
-            reward_before = _evaluate(eval_address, eval_prompts, cfg)
-            print(f"  held-out reward before training: {reward_before:.3f}", flush=True)
-
-            def top_up() -> None:  # admission control: at most (max_staleness + 1) × batch in flight
-                while (q.room() or 0) >= cfg.n:
-                    q.submit(encode_text(model_dir, prompts(rng, 1)[0]), opts, n=cfg.n)
-
-            top_up()
-            history: list[StepLog] = []
-            tokens_total, t_train = 0, time.monotonic()
-            for step in range(1, cfg.steps + 1):
-                t0 = time.monotonic()
-                batch = q.next_batch(timeout=300)
-                top_up()  # generation of the next batch overlaps with this step
-                rewards = [digit_reward(r.completion_ids, cfg.max_tokens) for r in batch]
-                b = collate(batch, rewards)
-                logits = _completion_logits(model, b)
-                lp, stats = token_logprobs(
-                    logits, b.completion_ids, temperature=b.temperature, return_stats=True
-                )
-                res = _masks(logits.detach(), b, mask_cfg, vocab_stats=stats)
-                loss, m = policy_loss(lp, b.sampled_logprobs, b.advantages, res.keep, masks=res)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                with torch.no_grad():  # the realised change of D on the same tokens (MATH.md §7)
-                    res_after = _masks(_completion_logits(model, b), b, mask_cfg)
-                adv_tok = b.advantages[:, None].expand_as(res.divergence).double()
-                agree = direction_agreement(
-                    adv_tok,
-                    res.divergence.double(),
-                    res_after.divergence.double(),
-                    {"ratio": res.ratio_direction, "predictive": res.predicted_direction},
-                    res.far,
-                    response_mask=b.response_mask,
-                )
-                q.ack(batch)
-                version = step  # one optimiser step = one policy version
-                ckpt = weights / f"v{version}"
-                ckpt.mkdir(exist_ok=True)
-                save_file(
-                    {k: v.detach().contiguous() for k, v in model.state_dict().items()},
-                    str(ckpt / "model.safetensors"),
-                )
-                results = q.broadcast_weights(version, str(ckpt), timeout=120)
-                failed = {r: e for r, e in results.items() if e != "ok"}
-                if failed:
-                    raise RuntimeError(f"weight update failed on {failed}")
-                old = weights / f"v{version - 2}"
-                if old.exists():
-                    shutil.rmtree(old)
-                tokens_total += int(b.response_mask.sum())
-                log = StepLog(
-                    step=step,
-                    reward=float(np.mean(rewards)),
-                    mask_frac=float(m["mask_frac"]),
-                    far_frac=float(m["far_frac"]),
-                    divergence_mean=float(m["divergence_mean"]),
-                    mismatch_kl=float(m["mismatch_kl"]),
-                    staleness=float((version - 1 - b.policy_versions).double().mean()),
-                    policy_version=version,
-                    tokens_per_s=tokens_total / (time.monotonic() - t_train),
-                    loss=float(loss.detach()),
-                    agree_ratio_far=agree["ratio"]["agree_far"],
-                    agree_predictive_far=agree["predictive"]["agree_far"],
-                    agree_ratio_all=agree["ratio"]["agree_all"],
-                    agree_predictive_all=agree["predictive"]["agree_all"],
-                    disagreement_frac_far=agree["_sets"]["disagreement_frac_far"],
-                    seconds=time.monotonic() - t0,
-                    replicas=dict(__import__("collections").Counter(r.replica_id for r in batch)),
-                )
-                history.append(log)
-                print(_progress(step, cfg.steps, log), flush=True)
-            reward_after = _evaluate(eval_address, eval_prompts, cfg)
-            print(
-                f"  held-out reward after training: {reward_after:.3f} (before: {reward_before:.3f})",
-                flush=True,
-            )
-            replica_versions = {}
-            for rep in q.replicas():  # ask each replica: heartbeats refresh only every few seconds
-                with SyncRolloutClient(rep.address, **_grpc_auth()) as c:
-                    replica_versions[rep.replica_id] = c.info().policy_version
-            queue_stats = asdict(q.stats)
+        result = grpo.train(
+            grpo_config(cfg),
+            redis_url=cluster.url,
+            namespace=cfg.namespace,
+            model_dir=model_dir,
+            weights_root=weights,
+            min_replicas=cfg.replicas if cfg.spawn else 1,
+        )
     summary = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
-        "mask_config": asdict(mask_cfg),
-        "reward_before": reward_before,
-        "reward_after": reward_after,
-        "steps": [asdict(h) for h in history],
-        "replica_versions": replica_versions,
-        "queue": queue_stats,
+        **result,
         "seconds": time.monotonic() - t_start,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -524,13 +322,15 @@ def main(argv: list[str]) -> int:
         if compare:
             summaries = {}
             for method in ("ppo", "dppo", "predictive"):
-                run = replace(cfg, method=method, out=cfg.out / method, namespace=f"{cfg.namespace}-{method}")
-                summaries[method] = train(run)
+                run_cfg = replace(
+                    cfg, method=method, out=cfg.out / method, namespace=f"{cfg.namespace}-{method}"
+                )
+                summaries[method] = run(run_cfg)
                 print(summary_table(summaries[method]), flush=True)
             figure(summaries, cfg.out / "demo.png")
             (cfg.out / "summary.json").write_text(json.dumps(summaries, indent=2))
         else:
-            summary = train(cfg)
+            summary = run(cfg)
             figure({cfg.method: summary}, cfg.out / "demo.png")
             print(summary_table(summary))
         print(f"wrote {cfg.out}/summary.json and {cfg.out}/demo.png")

@@ -1,4 +1,4 @@
-"""The demo's verifiable toy task: make a tiny byte-level model write digits.
+"""The demo's verifiable toy task: make a tiny byte-level model (`maskroll init-model`) write digits.
 
 reward = (number of digit bytes in the completion) / max_tokens. A freshly initialised model writes a
 digit by chance a few percent of the time, so reward starts near that chance level and a working RL
@@ -9,6 +9,8 @@ held-out set measures the policy before and after training.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -45,6 +47,14 @@ def digit_reward(completion_ids: np.ndarray, max_tokens: int) -> float:
 
 def prompts(rng: random.Random, count: int) -> list[str]:
     return [rng.choice(TEMPLATES).format(w=rng.choice(WORDS), v=rng.choice(WORDS)) for _ in range(count)]
+
+
+def encoder(model_dir: str | Path) -> Callable[[str], list[int]]:
+    """Text → token ids with the model directory's tokenizer (<bos> first), as the replicas tokenize."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    return lambda text: tok.encode(text, add_special_tokens=True).ids
 
 
 def held_out(count: int = 16, seed: int = 12345) -> list[str]:

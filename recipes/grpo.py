@@ -1,0 +1,269 @@
+"""An asynchronous GRPO trainer on maskroll: the README's "plug in your own trainer" loop, complete.
+
+One step: take a batch of whole GRPO groups from the rollout queue (admission control keeps the next
+batches generating meanwhile, at most `max_staleness` versions behind) → rewards → `collate` (group
+advantages) → `token_logprobs` + `compute_masks` + `policy_loss` → optimiser step → ack → publish the new
+weights to every replica as the next policy version. Diagnostics on the side: the realised change of the
+divergence after the step, against each rule's predicted direction (MATH.md §7, docs/math.md).
+
+Copy it and change the task (`digits` here), the model and the optimiser. It runs against replicas and a
+Redis that already exist; `maskroll demo` (server/demo.py) starts those and calls `train`.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from maskroll.client import RolloutQueue, SamplingOptions, SyncRolloutClient
+from maskroll.trainer_adapter import (
+    MaskConfig,
+    MaskResult,
+    collate,
+    compute_masks,
+    direction_agreement,
+    policy_loss,
+    token_logprobs,
+)
+from maskroll.trainer_adapter.collate import Batch
+from maskroll.trainer_adapter.config import Divergence, Estimator, Method
+from maskroll.weight_sync import CheckpointPublisher
+
+from . import digits
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    steps: int = 30
+    seed: int = 0
+    method: Method = "predictive"
+    divergence: Divergence = "topk_kl"
+    estimator: Estimator = "proportional"
+    delta: float | None = None  # default per divergence (MaskConfig)
+    prompts_per_step: int = 8
+    n: int = 8  # samples per prompt (one GRPO group)
+    max_tokens: int = 16
+    logprobs_k: int = 20
+    temperature: float = 1.0
+    lr: float = 2e-3
+    max_staleness: int = 1
+    eval_prompts: int = 16
+    eval_n: int = 4
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.n
+
+    def mask_config(self) -> MaskConfig:
+        kw = {} if self.delta is None else {"delta": self.delta}
+        return MaskConfig(method=self.method, divergence=self.divergence, estimator=self.estimator, **kw)
+
+
+@dataclass
+class StepLog:
+    step: int
+    reward: float
+    mask_frac: float
+    far_frac: float
+    divergence_mean: float
+    mismatch_kl: float
+    staleness: float
+    policy_version: int
+    tokens_per_s: float
+    loss: float
+    agree_ratio_far: float
+    agree_predictive_far: float
+    agree_ratio_all: float
+    agree_predictive_all: float
+    disagreement_frac_far: float
+    seconds: float
+    replicas: dict[str, int] = field(default_factory=dict)
+
+
+def grpc_auth() -> dict:
+    """The replicas' bearer token and TLS roots, from the same variables `maskroll serve` reads."""
+    ca = os.environ.get("MASKROLL_HEALTHCHECK_TLS_CA") or os.environ.get("MASKROLL_TLS_CERT")
+    return {
+        "token": os.environ.get("MASKROLL_AUTH_TOKEN") or None,
+        "root_certs": Path(ca).read_bytes() if ca else None,
+    }
+
+
+def completion_logits(model: torch.nn.Module, b: Batch) -> torch.Tensor:  # -> [B, T, V]
+    """The logits that predict the completion tokens (position t predicts token t + 1)."""
+    out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids)
+    return out.logits[:, b.completion_logits_slice]
+
+
+def masks(logits: torch.Tensor, b: Batch, cfg: MaskConfig, **kw) -> MaskResult:  # logits: [B, T, V]
+    return compute_masks(
+        logits,
+        b.completion_ids,
+        b.sampled_logprobs,
+        b.topk_ids,
+        b.topk_logprobs,
+        b.advantages,
+        config=cfg,
+        temperature=b.temperature,
+        response_mask=b.response_mask,
+        **kw,
+    )
+
+
+def realised_agreement(model: torch.nn.Module, b: Batch, cfg: MaskConfig, before: MaskResult) -> dict:
+    """How often each rule's predicted direction matched the realised change of D after the step."""
+    with torch.no_grad():
+        after = masks(completion_logits(model, b), b, cfg)
+    adv_tok = b.advantages[:, None].expand_as(before.divergence).double()  # [B, T]
+    return direction_agreement(
+        adv_tok,
+        before.divergence.double(),
+        after.divergence.double(),
+        {"ratio": before.ratio_direction, "predictive": before.predicted_direction},
+        before.far,
+        response_mask=b.response_mask,
+    )
+
+
+def evaluate(address: str, prompts: list[list[int]], cfg: GRPOConfig) -> float:
+    """Mean reward on held-out prompts, sampled by one replica at its current weights."""
+    opts = SamplingOptions(
+        max_tokens=cfg.max_tokens,
+        logprobs_k=0,
+        temperature=cfg.temperature,
+        n=cfg.eval_n,
+        seed=cfg.seed + 777,
+    )
+    rewards = []
+    with SyncRolloutClient(address, **grpc_auth()) as c:
+        for p in prompts:
+            rewards += [
+                digits.digit_reward(r.completion_ids, cfg.max_tokens) for r in c.generate_records(p, opts)
+            ]
+    return sum(rewards) / len(rewards)
+
+
+def wait_for_replicas(q: RolloutQueue, count: int, timeout: float = 60.0) -> list:
+    deadline = time.monotonic() + timeout
+    while len(reps := q.replicas()) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(reps)} of {count} replicas registered in Redis after {timeout:.0f} s")
+        time.sleep(0.1)
+    return reps
+
+
+def progress(step: int, total: int, log: StepLog) -> str:
+    width = 20
+    done = int(width * step / total)
+    bar = "█" * done + "·" * (width - done)
+    return (
+        f"[{bar}] step {step:3d}/{total}  reward {log.reward:.3f}  masked {log.mask_frac:6.2%}  "
+        f"D {log.divergence_mean:.4f}  mismatch KL {log.mismatch_kl:.4f}  stale {log.staleness:.2f}  "
+        f"v{log.policy_version}  {log.tokens_per_s:6.0f} tok/s"
+    )
+
+
+def train(
+    cfg: GRPOConfig,
+    *,
+    redis_url: str,
+    namespace: str,
+    model_dir: Path,
+    weights_root: Path,
+    min_replicas: int = 1,
+) -> dict:
+    """Train against the replicas of `namespace`; returns the run's summary (rewards, steps, versions)."""
+    import transformers
+
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(1)
+    rng = random.Random(cfg.seed)
+    encode = digits.encoder(model_dir)
+    mask_cfg = cfg.mask_config()
+    opts = SamplingOptions(max_tokens=cfg.max_tokens, logprobs_k=cfg.logprobs_k, temperature=cfg.temperature)
+    eval_prompts = [encode(p) for p in digits.held_out(cfg.eval_prompts)]
+
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    auth = grpc_auth()
+    with RolloutQueue(
+        redis_url, namespace, batch_size=cfg.batch_size, max_staleness=cfg.max_staleness, **auth
+    ) as q:
+        eval_address = wait_for_replicas(q, min_replicas)[0].address
+        publisher = CheckpointPublisher(q, weights_root, keep=2)
+        reward_before = evaluate(eval_address, eval_prompts, cfg)
+        print(f"  held-out reward before training: {reward_before:.3f}", flush=True)
+
+        def top_up() -> None:  # admission control: at most (max_staleness + 1) × batch in flight
+            while (q.room() or 0) >= cfg.n:
+                q.submit(encode(digits.prompts(rng, 1)[0]), opts, n=cfg.n)
+
+        top_up()
+        history: list[StepLog] = []
+        tokens_total, t_train = 0, time.monotonic()
+        for step in range(1, cfg.steps + 1):
+            t0 = time.monotonic()
+            batch = q.next_batch(timeout=300)
+            top_up()  # generation of the next batch overlaps with this step
+            rewards = [digits.digit_reward(r.completion_ids, cfg.max_tokens) for r in batch]
+            b = collate(batch, rewards)
+            logits = completion_logits(model, b)
+            lp, stats = token_logprobs(logits, b.completion_ids, temperature=b.temperature, return_stats=True)
+            res = masks(logits.detach(), b, mask_cfg, vocab_stats=stats)
+            loss, m = policy_loss(lp, b.sampled_logprobs, b.advantages, res.keep, masks=res)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            agree = realised_agreement(model, b, mask_cfg, res)
+            q.ack(batch)  # at-least-once: ack after the step
+            version = step  # one optimiser step = one policy version
+            publisher.publish(model, version)
+            tokens_total += int(b.response_mask.sum())
+            log = StepLog(
+                step=step,
+                reward=float(np.mean(rewards)),
+                mask_frac=float(m["mask_frac"]),
+                far_frac=float(m["far_frac"]),
+                divergence_mean=float(m["divergence_mean"]),
+                mismatch_kl=float(m["mismatch_kl"]),
+                staleness=float((version - 1 - b.policy_versions).double().mean()),
+                policy_version=version,
+                tokens_per_s=tokens_total / (time.monotonic() - t_train),
+                loss=float(loss.detach()),
+                agree_ratio_far=agree["ratio"]["agree_far"],
+                agree_predictive_far=agree["predictive"]["agree_far"],
+                agree_ratio_all=agree["ratio"]["agree_all"],
+                agree_predictive_all=agree["predictive"]["agree_all"],
+                disagreement_frac_far=agree["_sets"]["disagreement_frac_far"],
+                seconds=time.monotonic() - t0,
+                replicas=dict(collections.Counter(r.replica_id for r in batch)),
+            )
+            history.append(log)
+            print(progress(step, cfg.steps, log), flush=True)
+        reward_after = evaluate(eval_address, eval_prompts, cfg)
+        print(
+            f"  held-out reward after training: {reward_after:.3f} (before: {reward_before:.3f})", flush=True
+        )
+        replica_versions = {}
+        for rep in q.replicas():  # ask each replica: heartbeats refresh only every few seconds
+            with SyncRolloutClient(rep.address, **auth) as c:
+                replica_versions[rep.replica_id] = c.info().policy_version
+        queue_stats = asdict(q.stats)
+    return {
+        "mask_config": asdict(mask_cfg),
+        "reward_before": reward_before,
+        "reward_after": reward_after,
+        "steps": [asdict(h) for h in history],
+        "replica_versions": replica_versions,
+        "queue": queue_stats,
+    }
