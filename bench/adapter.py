@@ -377,7 +377,8 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "loadavg": os.getloadavg()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The options and the cases to run."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8192, help="N response tokens")
     p.add_argument("--topk", type=int, default=20, help="K top logprobs per token")
@@ -397,38 +398,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--one", choices=tuple(CASES), help=argparse.SUPPRESS)  # child mode
     args = p.parse_args(argv)
-
-    if args.one:
-        args.vocab, args.dtype = args.vocab[0], args.dtype[0]
-        try:
-            print(json.dumps(run_one(args)))
-        except MemoryError as e:  # Python-side allocation failure
-            print(json.dumps({"error": f"MemoryError: {e}"}))
-        except RuntimeError as e:  # torch's "DefaultCPUAllocator: can't allocate memory"
-            if "allocate" not in str(e):
-                raise
-            print(json.dumps({"error": f"out of memory: {str(e).splitlines()[0][:120]}"}))
-        return 0
-
-    if args.quick:
-        args.tokens, args.vocab = 2048, args.vocab or [32768]
-    vocabs = args.vocab or [32768, 151936]
-    dtypes = args.dtype or ["float32", "bfloat16"]
     cases = [c.strip() for c in args.cases.split(",")]
     if unknown := set(cases) - set(CASES):
         p.error(f"unknown cases {sorted(unknown)}; expected some of {list(CASES)}")
-    info = machine()
-    print(
-        f"bench/adapter.py: N={args.tokens} K={args.topk} V={vocabs} {dtypes} cases={cases} "
-        f"reps={args.reps} | {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
-        f"load {info['loadavg'][0]:.2f}",
-        file=sys.stderr,
-        flush=True,
-    )
+    return args, cases
+
+
+def child_main(args: argparse.Namespace) -> int:
+    """--one: measure one (case, V, dtype) and print its result as the last stdout line, as JSON."""
+    args.vocab, args.dtype = args.vocab[0], args.dtype[0]
+    try:
+        print(json.dumps(run_one(args)))
+    except MemoryError as e:  # Python-side allocation failure
+        print(json.dumps({"error": f"MemoryError: {e}"}))
+    except RuntimeError as e:  # torch's "DefaultCPUAllocator: can't allocate memory"
+        if "allocate" not in str(e):
+            raise
+        print(json.dumps({"error": f"out of memory: {str(e).splitlines()[0][:120]}"}))
+    return 0
+
+
+def run_matrix(
+    args: argparse.Namespace, vocabs: list[int], dtypes: list[str], cases: list[str]
+) -> list[dict]:
+    """Every (V, dtype, case) in its own child, strictly one at a time: V = 151936 float32 needs ~20 GiB
+    for (a)."""
     results = []
     for vocab in vocabs:
         for dtype in dtypes:
-            for case in cases:  # strictly one child at a time: V = 151936 float32 needs ~20 GiB for (a)
+            for case in cases:
                 t = time.perf_counter()
                 print(f"  ({case}) V={vocab} {dtype} ...", file=sys.stderr, flush=True)
                 r = run_child(case, vocab, dtype, args)
@@ -441,17 +439,31 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-    rows = summarise(results, args.chunk_tokens)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, cases = parse_args(argv)
+    if args.one:
+        return child_main(args)
+    if args.quick:
+        args.tokens, args.vocab = 2048, args.vocab or [32768]
+    vocabs = args.vocab or [32768, 151936]
+    dtypes = args.dtype or ["float32", "bfloat16"]
+    info = machine()
+    print(
+        f"bench/adapter.py: N={args.tokens} K={args.topk} V={vocabs} {dtypes} cases={cases} "
+        f"reps={args.reps} | {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
+        f"load {info['loadavg'][0]:.2f}",
+        file=sys.stderr,
+        flush=True,
+    )
+    rows = summarise(run_matrix(args, vocabs, dtypes, cases), args.chunk_tokens)
     if args.json:
+        args_out = {k: v for k, v in vars(args).items() if k != "one"}
         print(
             json.dumps(
-                {
-                    "machine": info,
-                    "args": {k: v for k, v in vars(args).items() if k != "one"},
-                    "results": rows,
-                    "verdict": verdict(rows),
-                },
-                indent=1,
+                {"machine": info, "args": args_out, "results": rows, "verdict": verdict(rows)}, indent=1
             )
         )
     else:

@@ -1,13 +1,16 @@
 """compute_masks: per-token trust-region masks from trainer logits and a rollout's top-K (MATH.md §3–§4).
 
-Owns the chunked pass over the vocabulary (one [chunk_tokens, V] float tensor at a time, MATH.md §8)
-and the assembly of proximity and direction tests. The per-token formulas live in `divergences`.
+Three steps: the input checks (`_checked_inputs`), the chunked pass over the vocabulary that yields
+log π_a, D and P̂ per token (`_vocab_pass`: one [chunk_tokens, V] float tensor at a time, MATH.md §8),
+and the method's proximity and direction tests (`DECISIONS`, one pure function per method). The
+per-token formulas live in `divergences`; π's temperature and truncation in `processed`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
@@ -17,6 +20,7 @@ from .inputs import check_ids, check_shape, per_token, response_mask_flat
 from .processed import (
     VocabStats,
     Workspace,
+    compute_dtype,
     processed_chunk,
     softmax_stats,
     truncation_active,
@@ -67,6 +71,216 @@ def _token_fn(config: MaskConfig) -> TokenFn:
     return table[config.divergence]
 
 
+# ---- the decision: proximity and direction per method (MATH.md §3) ----------------------------------
+
+
+@dataclass(frozen=True)
+class Quantities:
+    """What a method decides from, per token; all in the working dtype except `valid`."""
+
+    adv: Tensor  # [N] A
+    logpi_a: Tensor  # [N] log π_a
+    mu_a_log: Tensor  # [N] log μ_a
+    divergence: Tensor  # [N] D(μ, π) of config.divergence
+    predicted: Tensor  # [N] P̂ of the same D (MATH.md §4)
+    ratio_direction: Tensor  # [N] π_a − μ_a
+    valid: Tensor  # [N] bool: response tokens
+
+
+class Decision(NamedTuple):
+    keep: Tensor  # [N] bool: True = the gradient flows; never at padding
+    far: Tensor  # [N] bool: proximity test; never at padding
+    direction: Tensor  # [N]: A · direction > 0 means the step moves away
+
+
+Decide = Callable[[Quantities, MaskConfig], Decision]
+
+
+def _masked(q: Quantities, far: Tensor, direction: Tensor) -> Decision:
+    """Masked iff far and moving away; strict, so A = 0 or a zero direction keeps the token (MATH.md §3)."""
+    far = far & q.valid  # [N] bool
+    away = q.adv * direction > 0  # [N] bool
+    return Decision(keep=q.valid & ~(far & away), far=far, direction=direction)
+
+
+def _far_by_divergence(q: Quantities, config: MaskConfig) -> Tensor:  # [N] bool
+    # δ_low guards the tokens a negative advantage pushes down, δ_high those a positive one pushes up.
+    return torch.where(q.adv < 0, q.divergence > config.delta_low, q.divergence > config.delta_high)
+
+
+def decide_ppo(q: Quantities, config: MaskConfig) -> Decision:
+    """PPO: r = π_a/μ_a beyond 1 − ε_low (A < 0) or 1 + ε_high (A ≥ 0), direction r − 1 (MATH.md §3)."""
+    r = (q.logpi_a - q.mu_a_log).exp()  # [N]
+    far = torch.where(q.adv < 0, r < 1.0 - config.eps_low, r > 1.0 + config.eps_high)  # [N] bool
+    return _masked(q, far, r - 1.0)
+
+
+def decide_dppo(q: Quantities, config: MaskConfig) -> Decision:
+    """DPPO: D > δ, direction π_a − μ_a, the ratio rule inherited from PPO (MATH.md §3)."""
+    return _masked(q, _far_by_divergence(q, config), q.ratio_direction)
+
+
+def decide_predictive(q: Quantities, config: MaskConfig) -> Decision:
+    """Predictive: D > δ as dppo, direction P̂, the predicted first-order change of D (MATH.md §3–§4)."""
+    return _masked(q, _far_by_divergence(q, config), q.predicted)
+
+
+def decide_none(q: Quantities, config: MaskConfig) -> Decision:
+    """No mask: every response token is kept; far and direction are dppo's, reported as diagnostics."""
+    d = decide_dppo(q, config)
+    return Decision(keep=q.valid.clone(), far=d.far, direction=d.direction)
+
+
+# config.method → its decision, looked up once per call (STYLE.md §3).
+DECISIONS: dict[str, Decide] = {
+    "none": decide_none,
+    "ppo": decide_ppo,
+    "dppo": decide_dppo,
+    "predictive": decide_predictive,
+}
+
+
+# ---- input checks -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """compute_masks' arguments, checked and flattened to N token rows."""
+
+    logits: Tensor  # [N, V] raw, as given (upcast per chunk)
+    ids: Tensor  # [N] long a; 0 at padding
+    top: Tensor  # [N, K] long top-K ids; 0 at padding
+    mu_a_log: Tensor  # [N] log μ_a, working dtype
+    mu_top_log: Tensor  # [N, K] log μ of the top-K, working dtype
+    adv: Tensor  # [N] A, working dtype
+    temp: Tensor  # [N] float64 T
+    valid: Tensor  # [N] bool: response tokens
+
+
+def _checked_inputs(
+    logits: Tensor,  # [*lead, V]
+    sampled_ids: Tensor,  # [*lead]
+    sampled_logprobs: Tensor,  # [*lead]
+    topk_ids: Tensor,  # [*lead, K]
+    topk_logprobs: Tensor,  # [*lead, K]
+    advantages: Tensor,  # [*lead] or per sequence [B]
+    *,
+    temperature: float | Tensor,
+    top_k: int | None,
+    top_p: float | None,
+    replay_truncation: bool,
+    response_mask: Tensor | None,  # bool [*lead]
+) -> _Inputs:
+    """Refuse inputs the masks cannot mean (ValueError; TypeError for a non-int top_k or float ids),
+    among them a truncated record whose truncation is not replayed (MATH.md §6); flatten the rest."""
+    lead = sampled_ids.shape
+    n, vocab = lead.numel(), logits.shape[-1]
+    k = topk_ids.shape[-1]
+    check_shape(logits, (*lead, vocab), "logits")
+    check_shape(sampled_logprobs, tuple(lead), "sampled_logprobs")
+    check_shape(topk_ids, (*lead, k), "topk_ids")
+    check_shape(topk_logprobs, (*lead, k), "topk_logprobs")
+    if k > vocab:
+        raise ValueError(f"topk_ids has K={k} entries per token but the vocabulary has V={vocab}")
+    validate_truncation(top_k, top_p)
+    if truncation_active(top_k, top_p, vocab) and not replay_truncation:
+        raise ValueError(
+            f"the record was sampled with truncation (top_k={top_k}, top_p={top_p}): its μ is renormalised "
+            "over the kept set, so KL(π‖μ) is infinite and KL(μ‖π) is floored (MATH.md §6). Set "
+            "MaskConfig(replay_truncation=True) to replay the truncation on π."
+        )
+    device = logits.device
+    valid = response_mask_flat(response_mask, lead, device)  # [N]
+    check_ids(sampled_ids, vocab, "sampled_ids", valid)
+    check_ids(topk_ids, vocab, "topk_ids", valid)
+    temp = per_token(temperature, lead, "temperature", torch.float64).to(device)  # [N]
+    if not bool(torch.isfinite(temp).all()) or bool((temp <= 0).any()):
+        raise ValueError("temperature must be finite and > 0")
+    dtype = compute_dtype(logits)
+    return _Inputs(
+        logits=logits.reshape(n, vocab),
+        # Padding rows may hold garbage ids: point them at 0 and discard their results.
+        ids=torch.where(valid, sampled_ids.reshape(n).long(), 0),
+        top=torch.where(valid.unsqueeze(-1), topk_ids.reshape(n, k).long(), 0),
+        mu_a_log=sampled_logprobs.reshape(n).to(device, dtype),
+        mu_top_log=topk_logprobs.reshape(n, k).to(device, dtype),
+        adv=per_token(advantages, lead, "advantages", dtype).to(device),  # may raise: checked last
+        temp=temp,
+        valid=valid,
+    )
+
+
+def _usable_stats(
+    stats: VocabStats | None, n: int, temp: Tensor, top_k: int | None, top_p: float | None, vocab: int
+) -> VocabStats | None:
+    """The shared normaliser, if it was computed for these tokens with this temperature and truncation."""
+    if stats is None:
+        return None
+    if stats.lse.shape != (n,) or stats.sum_sq.shape != (n,):
+        raise ValueError(f"vocab_stats covers {tuple(stats.lse.shape)} tokens; expected ({n},)")
+    if (stats.top_k, stats.top_p) != (top_k, top_p) or not torch.equal(stats.temperature, temp):
+        raise ValueError("vocab_stats was computed with a different temperature or truncation")
+    if truncation_active(top_k, top_p, vocab):
+        return None  # membership of S in the kept set needs the processed row: recompute
+    return stats
+
+
+# ---- the vocabulary pass (MATH.md §8) ---------------------------------------------------------------
+
+# The per-token columns the pass fills, [N] each in the working dtype.
+_COLUMNS = ("logpi_a", "divergence", "predicted", "mismatch_kl", "mismatch_tv")
+
+
+def _vocab_pass(
+    x: _Inputs,
+    stats: VocabStats | None,
+    token_fn: TokenFn,
+    *,
+    top_k: int | None,
+    top_p: float | None,
+    chunk_tokens: int,
+) -> dict[str, Tensor]:  # _COLUMNS → [N]
+    """log π_a, D and P̂ of config.divergence, and the top-K mismatch on S, chunk by chunk (MATH.md §2, §4).
+
+    With `stats` only the ≤ K+1 logits of S are gathered per token; without, each chunk is processed
+    (temperature, replayed truncation) into one reused [chunk_tokens, V] buffer and reduced to its
+    logsumexp and Σ π². Run under no_grad.
+    """
+    n, vocab = x.logits.shape
+    dtype, device = compute_dtype(x.logits), x.logits.device
+    out = {c: torch.zeros(n, dtype=dtype, device=device) for c in _COLUMNS}
+    work = Workspace()
+    for start in range(0, n, chunk_tokens):
+        rows = slice(start, min(start + chunk_tokens, n))
+        ids, top = x.ids[rows], x.top[rows]  # [c], [c, K]
+        if stats is not None:
+            t = x.temp[rows].to(dtype).unsqueeze(-1)  # [c, 1]
+            x_top = x.logits[rows].gather(-1, top).to(dtype) / t  # [c, K]
+            x_a = x.logits[rows].gather(-1, ids.unsqueeze(-1)).squeeze(-1).to(dtype) / t.squeeze(-1)  # [c]
+            lse, sum_sq = stats.lse[rows].to(dtype), stats.sum_sq[rows].to(dtype)  # [c], [c]
+        else:
+            xs = processed_chunk(x.logits[rows], x.temp[rows], top_k, top_p, work)  # [c, V]
+            x_top = xs.gather(-1, top)  # [c, K]
+            x_a = xs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # [c]
+            pi = work.get(xs.shape[0], vocab, dtype, device)  # may be xs itself: gathered already
+            lse, sum_sq = softmax_stats(xs, out=pi)  # [c], [c]
+        logpi_a = x_a - lse  # [c]
+        support = dv.build_support(
+            x_top - lse.unsqueeze(-1), logpi_a, top, x.mu_top_log[rows], ids, x.mu_a_log[rows], sum_sq, vocab
+        )
+        b = dv.buckets(support)
+        d, p_hat = token_fn(b, support, logpi_a, x.mu_a_log[rows], sum_sq)  # [c], [c]
+        out["logpi_a"][rows] = logpi_a
+        out["divergence"][rows] = d
+        out["predicted"][rows] = p_hat
+        out["mismatch_kl"][rows] = dv.topk_kl(b, support)
+        out["mismatch_tv"][rows] = dv.topk_tv(b, support)
+    return out
+
+
+# ---- compute_masks ----------------------------------------------------------------------------------
+
+
 def compute_masks(
     logits: Tensor,  # [N, V] or [B, T, V] raw trainer logits (any float dtype; upcast per chunk)
     sampled_ids: Tensor,  # [N] or [B, T] long
@@ -90,117 +304,50 @@ def compute_masks(
     With `vocab_stats` the only work on the logits is gathering the ≤ K+1 entries of S per token.
     """
     config = config or MaskConfig()
-    lead = sampled_ids.shape
-    n, vocab = lead.numel(), logits.shape[-1]
-    k = topk_ids.shape[-1]
-    check_shape(logits, (*lead, vocab), "logits")
-    check_shape(sampled_logprobs, tuple(lead), "sampled_logprobs")
-    check_shape(topk_ids, (*lead, k), "topk_ids")
-    check_shape(topk_logprobs, (*lead, k), "topk_logprobs")
-    if k > vocab:
-        raise ValueError(f"topk_ids has K={k} entries per token but the vocabulary has V={vocab}")
-    validate_truncation(top_k, top_p)
-    if truncation_active(top_k, top_p, vocab) and not config.replay_truncation:
-        raise ValueError(
-            f"the record was sampled with truncation (top_k={top_k}, top_p={top_p}): its μ is renormalised "
-            "over the kept set, so KL(π‖μ) is infinite and KL(μ‖π) is floored (MATH.md §6). Set "
-            "MaskConfig(replay_truncation=True) to replay the truncation on π."
-        )
-    device = logits.device
-    valid = response_mask_flat(response_mask, lead, device)  # [N]
-    check_ids(sampled_ids, vocab, "sampled_ids", valid)
-    check_ids(topk_ids, vocab, "topk_ids", valid)
-    temp = per_token(temperature, lead, "temperature", torch.float64).to(device)  # [N]
-    if not bool(torch.isfinite(temp).all()) or bool((temp <= 0).any()):
-        raise ValueError("temperature must be finite and > 0")
-
-    # Padding rows may hold garbage ids: point them at 0 and discard their results.
-    ids = torch.where(valid, sampled_ids.reshape(n).long(), 0)  # [N]
-    top = torch.where(valid.unsqueeze(-1), topk_ids.reshape(n, k).long(), 0)  # [N, K]
-    logits2d = logits.reshape(n, vocab)
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    mu_a_log = sampled_logprobs.reshape(n).to(device, dtype)  # [N]
-    mu_top_log = topk_logprobs.reshape(n, k).to(device, dtype)  # [N, K]
-    adv = per_token(advantages, lead, "advantages", dtype).to(device)  # [N]
-
-    stats = _usable_stats(vocab_stats, n, temp, top_k, top_p, vocab)
-    token_fn = _token_fn(config)
-    cols = ("logpi_a", "divergence", "predicted", "mismatch_kl", "mismatch_tv")
-    out = {c: torch.zeros(n, dtype=dtype, device=device) for c in cols}
-    work = Workspace()
-    with torch.no_grad():
-        for start in range(0, n, config.chunk_tokens):
-            rows = slice(start, min(start + config.chunk_tokens, n))
-            if stats is not None:
-                t = temp[rows].to(dtype).unsqueeze(-1)  # [c, 1]
-                x_top = logits2d[rows].gather(-1, top[rows]).to(dtype) / t  # [c, K]
-                x_a = logits2d[rows].gather(-1, ids[rows].unsqueeze(-1)).squeeze(-1).to(dtype) / t.squeeze(-1)
-                lse, sum_sq = stats.lse[rows].to(dtype), stats.sum_sq[rows].to(dtype)
-            else:
-                x = processed_chunk(logits2d[rows], temp[rows], top_k, top_p, work)  # [c, V]
-                x_top = x.gather(-1, top[rows])  # [c, K]
-                x_a = x.gather(-1, ids[rows].unsqueeze(-1)).squeeze(-1)  # [c]
-                pi = work.get(x.shape[0], vocab, dtype, device)  # may be x itself: gathered already
-                lse, sum_sq = softmax_stats(x, out=pi)
-            logpi_a = x_a - lse
-            support = dv.build_support(
-                x_top - lse.unsqueeze(-1),
-                logpi_a,
-                top[rows],
-                mu_top_log[rows],
-                ids[rows],
-                mu_a_log[rows],
-                sum_sq,
-                vocab,
-            )
-            b = dv.buckets(support)
-            d, p_hat = token_fn(b, support, logpi_a, mu_a_log[rows], sum_sq)
-            out["logpi_a"][rows] = logpi_a
-            out["divergence"][rows] = d
-            out["predicted"][rows] = p_hat
-            out["mismatch_kl"][rows] = dv.topk_kl(b, support)
-            out["mismatch_tv"][rows] = dv.topk_tv(b, support)
-
-        ratio_dir = out["logpi_a"].exp() - mu_a_log.exp()  # π_a − μ_a
-        if config.method == "ppo":
-            r = (out["logpi_a"] - mu_a_log).exp()
-            far = torch.where(adv < 0, r < 1.0 - config.eps_low, r > 1.0 + config.eps_high)
-            direction = r - 1.0
-        else:
-            far = torch.where(
-                adv < 0, out["divergence"] > config.delta_low, out["divergence"] > config.delta_high
-            )
-            direction = out["predicted"] if config.method == "predictive" else ratio_dir
-        far = far & valid
-        away = adv * direction > 0
-        keep = valid.clone() if config.method == "none" else valid & ~(far & away)
-
-    zero = torch.zeros((), dtype=dtype, device=device)
-    res = MaskResult(
-        keep=keep,
-        divergence=torch.where(valid, out["divergence"], zero),
-        direction=torch.where(valid, direction, zero),
-        far=far,
-        ratio_direction=torch.where(valid, ratio_dir, zero),
-        predicted_direction=torch.where(valid, out["predicted"], zero),
-        mismatch_kl=torch.where(valid, out["mismatch_kl"], zero),
-        mismatch_tv=torch.where(valid, out["mismatch_tv"], zero),
-        logprobs=torch.where(valid, out["logpi_a"], zero),
-        response_mask=valid,
+    x = _checked_inputs(
+        logits,
+        sampled_ids,
+        sampled_logprobs,
+        topk_ids,
+        topk_logprobs,
+        advantages,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        replay_truncation=config.replay_truncation,
+        response_mask=response_mask,
     )
-    return res.map(lambda t: t.reshape(lead))
+    n, vocab = x.logits.shape
+    stats = _usable_stats(vocab_stats, n, x.temp, top_k, top_p, vocab)
+    token_fn, decide = _token_fn(config), DECISIONS[config.method]
+    with torch.no_grad():
+        col = _vocab_pass(x, stats, token_fn, top_k=top_k, top_p=top_p, chunk_tokens=config.chunk_tokens)
+        q = Quantities(
+            adv=x.adv,
+            logpi_a=col["logpi_a"],
+            mu_a_log=x.mu_a_log,
+            divergence=col["divergence"],
+            predicted=col["predicted"],
+            ratio_direction=col["logpi_a"].exp() - x.mu_a_log.exp(),  # [N] π_a − μ_a
+            valid=x.valid,
+        )
+        d = decide(q, config)
 
+    zero = torch.zeros((), dtype=compute_dtype(logits), device=logits.device)
 
-def _usable_stats(
-    stats: VocabStats | None, n: int, temp: Tensor, top_k: int | None, top_p: float | None, vocab: int
-) -> VocabStats | None:
-    """The shared normaliser, if it was computed for these tokens with this temperature and truncation."""
-    if stats is None:
-        return None
-    if stats.lse.shape != (n,) or stats.sum_sq.shape != (n,):
-        raise ValueError(f"vocab_stats covers {tuple(stats.lse.shape)} tokens; expected ({n},)")
-    if (stats.top_k, stats.top_p) != (top_k, top_p) or not torch.equal(stats.temperature, temp):
-        raise ValueError("vocab_stats was computed with a different temperature or truncation")
-    if truncation_active(top_k, top_p, vocab):
-        return None  # membership of S in the kept set needs the processed row: recompute
-    return stats
+    def padded(t: Tensor) -> Tensor:  # [N]: 0 at padding, whatever its garbage ids produced
+        return torch.where(x.valid, t, zero)
+
+    res = MaskResult(
+        keep=d.keep,
+        divergence=padded(q.divergence),
+        direction=padded(d.direction),
+        far=d.far,
+        ratio_direction=padded(q.ratio_direction),
+        predicted_direction=padded(q.predicted),
+        mismatch_kl=padded(col["mismatch_kl"]),
+        mismatch_tv=padded(col["mismatch_tv"]),
+        logprobs=padded(q.logpi_a),
+        response_mask=x.valid,
+    )
+    return res.map(lambda t: t.reshape(sampled_ids.shape))
