@@ -2,7 +2,13 @@
 
 Owns the generated wire code, `RolloutClient`, `RolloutQueue` and plain-numpy records. It never imports
 torch or vllm: a trainer on any framework can use it. The gRPC client and the Redis queue are loaded on
-first access, so `from maskroll.client import RolloutRecord` needs neither grpc nor redis.
+first access, so `from maskroll.client import RolloutRecord` needs neither grpc nor redis, and the queue
+needs no grpc until weights are broadcast.
+
+Modules, one concern each: records.py (domain objects), wire.py (protobuf ⇄ records), rollout_client.py
+(gRPC to one replica); for the queue: redis_conn.py (connection and retry policy), streams.py (stream
+layout and primitives shared with the server), admission.py (in-flight limit), batching.py (whole
+groups, dedupe, staleness), queue.py (the trainer's queue client) and replicas.py (registry, weights).
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from .records import (
 )
 
 if TYPE_CHECKING:
-    from .queue import AsyncRolloutQueue, QueueFull, QueueTimeout, QueueUnavailable, RolloutQueue
+    from .admission import QueueFull
+    from .queue import AsyncRolloutQueue, QueueStats, QueueTimeout, RolloutQueue
+    from .redis_conn import QueueUnavailable
+    from .replicas import ReplicaInfo
     from .rollout_client import RolloutClient, RolloutError, SyncRolloutClient
 
 _LAZY = {
@@ -30,18 +39,22 @@ _LAZY = {
     "RolloutError": "rollout_client",
     "RolloutQueue": "queue",
     "AsyncRolloutQueue": "queue",
-    "QueueFull": "queue",
+    "QueueStats": "queue",
     "QueueTimeout": "queue",
-    "QueueUnavailable": "queue",
+    "QueueFull": "admission",
+    "QueueUnavailable": "redis_conn",
+    "ReplicaInfo": "replicas",
 }
 
 __all__ = [
     "AsyncRolloutQueue",
     "PromptJob",
     "QueueFull",
+    "QueueStats",
     "QueueTimeout",
     "QueueUnavailable",
     "RecordAssembler",
+    "ReplicaInfo",
     "RolloutChunk",
     "RolloutClient",
     "RolloutError",

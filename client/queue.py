@@ -1,61 +1,73 @@
 """RolloutQueue: the trainer's side of the Redis Streams rollout queue (ARCHITECTURE.md flows 2, 3, 5).
 
-submit() puts prompt jobs on the prompt stream (replicas pull them); batches() reads finished records
-from the rollout stream through one consumer group, groups them by job (a GRPO group is whole or
-absent), drops duplicates by rollout_id and stale records by policy version, and ack() confirms them
-after the optimiser step: at-least-once delivery, and a trainer that dies before acking leaves its
-records pending for the next one (XAUTOCLAIM after `claim_idle_s`). Admission control keeps at most
-(max_staleness + 1) × batch_size rollouts in flight. The async class is the implementation; the sync
-`RolloutQueue` runs it on a private event loop.
+submit() puts prompt jobs on the prompt stream (replicas pull them); next_batch() / batches() read
+finished records from the rollout stream through one consumer group, and ack() confirms them after the
+optimiser step: at-least-once delivery, and a trainer that dies before acking leaves its records
+pending for the next one (XAUTOCLAIM after `claim_idle_s`). This module owns that Redis conversation;
+what to admit (admission.py), how records become batches (batching.py), the stream layout
+(streams.py), the connection policy (redis_conn.py) and the replicas (replicas.py) live next to it.
+The async class is the implementation; the sync `RolloutQueue` runs it on a private event loop.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import os
 import socket
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal, TypeVar
 
 import numpy as np
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import wire
 from ._sync import LoopThread
+from .admission import InFlight, QueueFull, in_flight_limit
+from .batching import Entry, GroupBatcher
 from .records import PromptJob, RolloutRecord, SamplingOptions
-from .streams import F_JOB, F_JOB_ERROR, F_REASON, F_RECORD, REPLICA_GROUP, TRAINER_GROUP, StreamKeys
+from .redis_conn import QueueUnavailable, call, connect
+from .replicas import ReplicaInfo, live_replicas
+from .replicas import broadcast_weights as _broadcast_weights
+from .streams import (
+    F_JOB,
+    F_JOB_ERROR,
+    F_REASON,
+    F_RECORD,
+    REPLICA_GROUP,
+    TRAINER_GROUP,
+    StreamKeys,
+    ack_and_delete,
+    dead_letter,
+    ensure_group,
+)
+
+__all__ = [
+    "AsyncRolloutQueue",
+    "QueueFull",
+    "QueueStats",
+    "QueueTimeout",
+    "QueueUnavailable",
+    "ReplicaInfo",
+    "RolloutQueue",
+    "StalePolicy",
+]
 
 log = logging.getLogger("maskroll.queue")
 
 StalePolicy = Literal["drop", "keep"]
-RETRYABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
-
-
-class QueueFull(Exception):
-    """submit() waited `timeout` seconds and the in-flight limit still had no room."""
+T = TypeVar("T")
 
 
 class QueueTimeout(TimeoutError):
     """No complete batch arrived within the timeout."""
 
 
-class QueueUnavailable(ConnectionError):
-    """Redis stayed unreachable through the whole retry budget."""
-
-
 @dataclass
 class QueueStats:
+    """Counters of one queue object since it was created (rollouts unless the name says jobs)."""
+
     submitted_jobs: int = 0
     submitted_rollouts: int = 0
     received: int = 0
@@ -67,70 +79,23 @@ class QueueStats:
     reclaimed: int = 0
 
 
-@dataclass(frozen=True)
-class ReplicaInfo:
-    replica_id: str
-    address: str
-    engine: str = ""
-    model: str = ""
-    policy_version: int = 0
-    extra: dict = field(default_factory=dict)
-
-
-def connect(url: str, *, retries: int = 10, socket_timeout: float = 10.0) -> aioredis.Redis:
-    """A Redis client with an explicit retry rule: connection errors and timeouts, exponential backoff
-    capped at 2 s, `retries` attempts (≈ 15 s in all by default). TLS and passwords come from the URL
-    (rediss://, redis://:password@host)."""
-    return aioredis.Redis.from_url(
-        url,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        socket_connect_timeout=2.0,
-        socket_timeout=socket_timeout,
-        health_check_interval=30,
-    )
-
-
-async def ensure_group(r: aioredis.Redis, stream: str, group: str) -> None:
-    """Create the consumer group from the start of the stream; an existing group is fine (BUSYGROUP)."""
-    try:
-        await r.xgroup_create(stream, group, id="0", mkstream=True)
-    except ResponseError as e:
-        if "BUSYGROUP" not in str(e):
-            raise
-
-
-def ack_and_delete(pipe, stream: str, group: str, *entry_ids: bytes) -> None:
-    """Queue XACK + XDEL on a pipeline: a consumed entry leaves the stream, so XLEN is the backlog."""
-    pipe.xack(stream, group, *entry_ids)
-    pipe.xdel(stream, *entry_ids)
-
-
-async def dead_letter(
-    r: aioredis.Redis, keys: StreamKeys, stream: str, group: str, entry_id: bytes, fields: dict, reason: str
-) -> None:
-    """Move an entry no consumer can decode to the dead-letter stream, atomically with its ack."""
-    log.warning("dead-lettering %s entry %s: %s", stream, entry_id, reason)
-    payload = b"".join(fields.values()) if fields else b""
-    pipe = r.pipeline(transaction=True)
-    pipe.xadd(
-        keys.dead_letters, {b"stream": stream, b"id": entry_id, b"reason": reason[:500], b"payload": payload}
-    )
-    ack_and_delete(pipe, stream, group, entry_id)
-    await pipe.execute()
-
-
 def _default_consumer() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-@dataclass
-class _Group:
-    size: int
-    entries: list[tuple[bytes, RolloutRecord]] = field(default_factory=list)
-
-
 class AsyncRolloutQueue:
+    """The trainer's queue client for one namespace (one training run); `async with` or close().
+
+    url: redis:// or rediss:// URL (password and TLS from the URL). consumer: this trainer's name in
+    the consumer group; a restarted trainer with the same name first re-reads its own unacked records.
+    batch_size, max_staleness: defaults of next_batch(), and together the in-flight limit of submit().
+    stale_policy: "drop" acks and discards records older than max_staleness versions, "keep" trains on
+    them. claim_idle_s: records another trainer read and left unacked this long are taken over.
+    done_ttl_s: how long acked rollout ids are remembered in Redis to catch late duplicates.
+    token, tls, root_certs: how broadcast_weights() reaches the replicas' gRPC. retries: Redis retry
+    attempts before QueueUnavailable (see redis_conn.connect).
+    """
+
     def __init__(
         self,
         url: str,
@@ -157,7 +122,7 @@ class AsyncRolloutQueue:
         self.stale_policy = stale_policy
         self.claim_idle_ms = int(claim_idle_s * 1000)
         self.done_ttl_ms = int(done_ttl_s * 1000)
-        self.token = token  # bearer token and TLS settings for the replicas' gRPC (broadcast_weights)
+        self.token = token
         self._tls = {"tls": tls, "root_certs": root_certs}
         self.policy_version = 0
         self.stats = QueueStats()
@@ -165,13 +130,8 @@ class AsyncRolloutQueue:
         self._ready_groups = False
         self._own_pending_read = False
         self._next_claim = 0.0
-        self._jobs: dict[str, int] = {}  # job_id -> rollouts still expected (jobs this queue submitted)
-        self._in_flight = 0
-        self._room = asyncio.Condition()
-        self._groups: dict[str, _Group] = {}
-        self._complete: list[str] = []  # job ids whose group is whole, oldest first
-        self._pending: dict[str, bytes] = {}  # rollout_id -> entry id, read but not acked
-        self._acked: OrderedDict[str, None] = OrderedDict()  # recent acked rollout ids (LRU)
+        self._flight = InFlight()
+        self._batcher = GroupBatcher()
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -182,6 +142,7 @@ class AsyncRolloutQueue:
             self._ready_groups = True
 
     async def close(self) -> None:
+        """Close the Redis connection; unacked records stay pending for this consumer name."""
         await self._r.aclose()
 
     async def __aenter__(self) -> AsyncRolloutQueue:
@@ -191,30 +152,24 @@ class AsyncRolloutQueue:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, coro):
-        """Redis calls retry inside the client (see `connect`); past the budget, say so plainly."""
-        try:
-            return await coro
-        except RETRYABLE as e:
-            raise QueueUnavailable(f"Redis at {self.url} unreachable after the retry budget: {e}") from e
+    async def _call(self, aw: Awaitable[T]) -> T:
+        return await call(aw, self.url)
 
     # ---- admission control and submission ------------------------------------------------------
 
     @property
     def max_in_flight(self) -> int | None:
-        if self.batch_size is None or self.max_staleness is None:
-            return None
-        return (self.max_staleness + 1) * self.batch_size
+        """(max_staleness + 1) × batch_size, or None while either is unset (no limit)."""
+        return in_flight_limit(self.batch_size, self.max_staleness)
 
     @property
     def in_flight(self) -> int:
         """Rollouts submitted by this queue and not yet acked, dropped or failed."""
-        return self._in_flight
+        return self._flight.count
 
     def room(self) -> int | None:
         """Rollouts that can be submitted now without blocking (None: no limit configured)."""
-        limit = self.max_in_flight
-        return None if limit is None else max(0, limit - self._in_flight)
+        return self._flight.room(self.max_in_flight)
 
     async def submit(
         self,
@@ -228,8 +183,10 @@ class AsyncRolloutQueue:
         timeout: float | None = None,
         rollout_stream: str = "",
     ) -> str:
-        """Queue one prompt for `n` samples; returns the job id. Blocks while the in-flight limit is
-        reached; raises QueueFull after `timeout` seconds (None: wait forever)."""
+        """Queue one prompt for `n` samples (default options.n); returns the job id. Blocks while the
+        in-flight limit is reached; raises QueueFull after `timeout` seconds (None: wait forever).
+        group_id, metadata: carried into every record. rollout_stream: publish the records there
+        instead of this namespace's rollout stream."""
         options = options or SamplingOptions()
         if n is not None:
             options = replace(options, n=n)
@@ -244,7 +201,7 @@ class AsyncRolloutQueue:
             raise ValueError(
                 f"n={options.n} exceeds the in-flight limit {limit} = (max_staleness + 1) × batch_size"
             )
-        await self._wait_for_room(options.n, timeout)
+        await self._flight.wait_for_room(options.n, limit, timeout)
         await self._groups_exist()
         job = PromptJob(
             job_id=job_id or uuid.uuid4().hex,
@@ -257,37 +214,10 @@ class AsyncRolloutQueue:
         )
         # No MAXLEN on the prompt stream: unconsumed jobs must never be trimmed; admission bounds it.
         await self._call(self._r.xadd(self.keys.prompts, {F_JOB: wire.job_to_pb(job).SerializeToString()}))
-        self._jobs[job.job_id] = options.n
-        self._in_flight += options.n
+        self._flight.submitted(job.job_id, options.n)
         self.stats.submitted_jobs += 1
         self.stats.submitted_rollouts += options.n
         return job.job_id
-
-    async def _wait_for_room(self, n: int, timeout: float | None) -> None:
-        limit = self.max_in_flight
-        if limit is None:
-            return
-        async with self._room:
-            try:
-                await asyncio.wait_for(self._room.wait_for(lambda: self._in_flight + n <= limit), timeout)
-            except (asyncio.TimeoutError, TimeoutError):
-                raise QueueFull(
-                    f"{self._in_flight} rollouts in flight; limit {limit} = (max_staleness + 1) × batch_size "
-                    f"left no room for {n} more within {timeout} s (ack batches to make room)"
-                ) from None
-
-    async def _consumed(self, job_id: str, count: int) -> None:
-        left = self._jobs.get(job_id)
-        if left is None:
-            return  # another submitter's job
-        count = min(count, left)
-        self._in_flight -= count
-        if left - count <= 0:
-            del self._jobs[job_id]
-        else:
-            self._jobs[job_id] = left - count
-        async with self._room:
-            self._room.notify_all()
 
     # ---- consumption -----------------------------------------------------------------------------
 
@@ -295,13 +225,20 @@ class AsyncRolloutQueue:
         """The version the trainer is at now; staleness = this − a record's first-token version."""
         self.policy_version = int(version)
 
-    def _stale(self, rec: RolloutRecord, max_staleness: int | None) -> bool:
-        return max_staleness is not None and self.policy_version - rec.policy_version_first > max_staleness
+    def _drops(self, rec: RolloutRecord) -> bool:
+        """The staleness rule: with stale_policy "drop", a record more than max_staleness versions old."""
+        return (
+            self.stale_policy == "drop"
+            and self.max_staleness is not None
+            and self.policy_version - rec.policy_version_first > self.max_staleness
+        )
 
     async def next_batch(
         self, batch_size: int | None = None, max_staleness: int | None = None, timeout: float | None = None
     ) -> list[RolloutRecord]:
-        """The next batch of whole groups (≥ batch_size records). Raises QueueTimeout after `timeout` s."""
+        """The next batch of whole groups (≥ batch_size records, oldest groups first). batch_size and
+        max_staleness, when given, also become the defaults (and the in-flight limit). Raises
+        QueueTimeout after `timeout` s (None: wait forever)."""
         batch_size = batch_size or self.batch_size
         if not batch_size or batch_size < 1:
             raise ValueError("batch_size must be given (here or to the constructor) and >= 1")
@@ -311,15 +248,16 @@ class AsyncRolloutQueue:
         await self._groups_exist()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            batch = await self._take(batch_size)
+            batch, dropped = self._batcher.take(batch_size, self._drops)
+            for job_id, ids in dropped.items():
+                await self._drop(job_id, ids)
             if batch:
                 return batch
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                have = sum(len(g.entries) for g in self._groups.values())
                 raise QueueTimeout(
                     f"no batch of {batch_size} rollouts within {timeout} s "
-                    f"({have} buffered in incomplete groups)"
+                    f"({self._batcher.buffered} buffered in incomplete groups)"
                 )
             await self._read(
                 batch_size, 1000 if remaining is None else max(1, min(1000, int(remaining * 1000)))
@@ -328,27 +266,9 @@ class AsyncRolloutQueue:
     async def batches(
         self, batch_size: int | None = None, max_staleness: int | None = None, timeout: float | None = None
     ) -> AsyncIterator[list[RolloutRecord]]:
+        """next_batch() forever: `async for batch in q.batches(...)`; ack each one after training on it."""
         while True:
             yield await self.next_batch(batch_size, max_staleness, timeout)
-
-    async def _take(self, batch_size: int) -> list[RolloutRecord]:
-        """Whole groups, oldest first, once they add up to batch_size records (stale ones dropped)."""
-        ready = []
-        for job_id in self._complete:
-            group = self._groups[job_id]
-            if self.stale_policy == "drop" and any(
-                self._stale(rec, self.max_staleness) for _, rec in group.entries
-            ):
-                await self._discard(group.entries, job_id, stale=True)
-            else:
-                ready.append(job_id)
-        self._complete = ready
-        if sum(len(self._groups[j].entries) for j in ready) < batch_size:
-            return []
-        out: list[RolloutRecord] = []
-        while self._complete and len(out) < batch_size:
-            out.extend(rec for _, rec in self._groups.pop(self._complete.pop(0)).entries)
-        return out
 
     async def _read(self, batch_size: int, block_ms: int) -> None:
         r, keys = self._r, self.keys
@@ -378,7 +298,7 @@ class AsyncRolloutQueue:
         await self._ingest(resp[0][1] if resp else [])
 
     async def _ingest(self, entries: list) -> None:
-        fresh: list[tuple[bytes, RolloutRecord]] = []
+        fresh: list[Entry] = []
         for entry_id, fields in entries:
             if not fields:  # deleted while pending
                 await self._call(self._r.xack(self.keys.rollouts, TRAINER_GROUP, entry_id))
@@ -395,39 +315,21 @@ class AsyncRolloutQueue:
         if not fresh:
             return
         flags = await self._call(self._r.zmscore(self.keys.done, [rec.rollout_id for _, rec in fresh]))
-        for (entry_id, rec), already in zip(fresh, flags, strict=True):
-            rid = rec.rollout_id
-            done = already is not None  # ZMSCORE: the ack time, or None
-            if done or rid in self._acked or (rid in self._pending and self._pending[rid] != entry_id):
+        for (entry_id, rec), ack_time in zip(fresh, flags, strict=True):
+            verdict = self._batcher.offer(entry_id, rec, acked=ack_time is not None, drop=self._drops(rec))
+            if verdict == "duplicate":
                 self.stats.duplicates += 1
                 await self._finish([entry_id])
-                continue
-            if rid in self._pending:  # the same entry delivered again (own PEL / reclaim)
-                continue
-            self.stats.received += 1
-            self._pending[rid] = entry_id
-            if self.stale_policy == "drop" and self._stale(rec, self.max_staleness):
-                await self._discard([(entry_id, rec)], rec.job_id, stale=True)
-                continue
-            group = self._groups.setdefault(rec.job_id, _Group(size=max(1, rec.group_size)))
-            group.entries.append((entry_id, rec))
-            if len(group.entries) == group.size:
-                self._complete.append(rec.job_id)
+            elif verdict in ("kept", "drop"):
+                self.stats.received += 1
+                if verdict == "drop":
+                    await self._drop(rec.job_id, self._batcher.drop(rec.job_id, [(entry_id, rec)]))
 
-    async def _discard(self, entries: list[tuple[bytes, RolloutRecord]], job_id: str, *, stale: bool) -> None:
-        ids = [entry_id for entry_id, _ in entries]
-        for _, rec in entries:
-            self._pending.pop(rec.rollout_id, None)
-        # the rest of a dropped group is dropped when it arrives: its job is marked finished
-        group = self._groups.pop(job_id, None)
-        if group is not None:
-            ids += [e for e, _ in group.entries]
-            for _, rec in group.entries:
-                self._pending.pop(rec.rollout_id, None)
-        await self._finish(ids)
-        if stale:
-            self.stats.dropped_stale += len(ids)
-        await self._consumed(job_id, len(ids))
+    async def _drop(self, job_id: str, entry_ids: list[bytes]) -> None:
+        """Stale records: ack and delete them untrained, and free their room."""
+        await self._finish(entry_ids)
+        self.stats.dropped_stale += len(entry_ids)
+        await self._flight.consumed(job_id, len(entry_ids))
 
     async def _finish(self, entry_ids: list[bytes]) -> None:
         if entry_ids:
@@ -451,13 +353,14 @@ class AsyncRolloutQueue:
         log.warning("job %s failed on a replica: %s", job.job_id, reason)
         self.stats.failed_jobs += 1
         await self._finish([entry_id])
-        await self._consumed(job.job_id, self._jobs.get(job.job_id, 0))
+        await self._flight.consumed(job.job_id, self._flight.expected(job.job_id))
 
     async def ack(self, batch: Sequence[RolloutRecord]) -> None:
-        """Confirm a trained batch: XACK + XDEL and the `done` markers, in one transaction."""
+        """Confirm a trained batch: XACK + XDEL and the `done` markers, in one transaction. Records
+        already acked are skipped; the acked rollouts free their in-flight room."""
         ids, per_job = [], {}
         for rec in batch:
-            entry_id = self._pending.get(rec.rollout_id)
+            entry_id = self._batcher.entry_of(rec.rollout_id)
             if entry_id is None:
                 continue  # already acked
             ids.append(entry_id)
@@ -470,64 +373,70 @@ class AsyncRolloutQueue:
         pipe.zadd(self.keys.done, {rec.rollout_id: now for rec in batch})
         pipe.zremrangebyscore(self.keys.done, "-inf", now - self.done_ttl_ms / 1000)  # forget old acks
         await self._call(pipe.execute())
-        for rec in batch:
-            if self._pending.pop(rec.rollout_id, None) is not None:
-                self._acked[rec.rollout_id] = None
-        while len(self._acked) > 200_000:
-            self._acked.popitem(last=False)
+        self._batcher.acked(batch)
         self.stats.acked += len(ids)
         for job_id, count in per_job.items():
-            await self._consumed(job_id, count)
+            await self._flight.consumed(job_id, count)
 
-    # ---- replicas and weights -----------------------------------------------------------------------
+    # ---- replicas and weights (replicas.py) ------------------------------------------------------
 
     async def replicas(self) -> list[ReplicaInfo]:
-        """Live replicas: those whose heartbeat key has not expired."""
-        out = []
-        async for key in self._r.scan_iter(match=self.keys.replica_pattern, count=100):
-            raw = await self._call(self._r.get(key))
-            if raw is None:
-                continue
-            info = json.loads(raw)
-            out.append(
-                ReplicaInfo(
-                    replica_id=info.get("replica_id", ""),
-                    address=info.get("address", ""),
-                    engine=info.get("engine", ""),
-                    model=info.get("model", ""),
-                    policy_version=int(info.get("policy_version", 0)),
-                    extra=info,
-                )
-            )
-        return sorted(out, key=lambda r: r.replica_id)
+        """Live replicas of this namespace: those whose heartbeat key has not expired."""
+        return await self._call(live_replicas(self._r, self.keys))
 
     async def broadcast_weights(
         self, version: int, checkpoint_dir: str, timeout: float = 120.0
     ) -> dict[str, str]:
         """UpdateWeights on every live replica concurrently, each bounded by `timeout`. Returns
         {replica_id: "ok" | error}; the trainer's declared version becomes `version` either way."""
-        from .rollout_client import RolloutClient  # grpc only when weights are pushed
-
-        async def one(rep: ReplicaInfo) -> str:
-            try:
-                async with RolloutClient(rep.address, token=self.token, **self._tls) as c:
-                    await asyncio.wait_for(c.update_weights(version, checkpoint_dir), timeout)
-                return "ok"
-            except Exception as e:
-                return f"{type(e).__name__}: {e}"
-
         reps = await self.replicas()
-        results = await asyncio.gather(*(one(rep) for rep in reps))
+        results = await _broadcast_weights(
+            reps, version, checkpoint_dir, timeout=timeout, token=self.token, **self._tls
+        )
         self.set_policy_version(version)
-        return {rep.replica_id: res for rep, res in zip(reps, results, strict=True)}
+        return results
 
 
 class RolloutQueue:
-    """Synchronous facade over AsyncRolloutQueue (same arguments, same behaviour)."""
+    """Synchronous facade over AsyncRolloutQueue: the same arguments and behaviour, each call run on a
+    private event loop thread. Use as a context manager or call close()."""
 
-    def __init__(self, url: str, namespace: str = "default", **kwargs) -> None:
+    def __init__(
+        self,
+        url: str,
+        namespace: str = "default",
+        *,
+        consumer: str | None = None,
+        batch_size: int | None = None,
+        max_staleness: int | None = None,
+        stale_policy: StalePolicy = "drop",
+        claim_idle_s: float = 60.0,
+        done_ttl_s: float = 7 * 86400,
+        token: str | None = None,
+        tls: bool = False,
+        root_certs: bytes | None = None,
+        retries: int = 10,
+    ) -> None:
+        """See AsyncRolloutQueue for what each argument means."""
+        kwargs = dict(
+            consumer=consumer,
+            batch_size=batch_size,
+            max_staleness=max_staleness,
+            stale_policy=stale_policy,
+            claim_idle_s=claim_idle_s,
+            done_ttl_s=done_ttl_s,
+            token=token,
+            tls=tls,
+            root_certs=root_certs,
+            retries=retries,
+        )
         self._loop = LoopThread("maskroll-queue")
-        self._q: AsyncRolloutQueue = self._loop.run(self._make(url, namespace, kwargs))
+        try:
+            # built inside the loop thread that runs every later call on it
+            self._q: AsyncRolloutQueue = self._loop.run(self._make(url, namespace, kwargs))
+        except BaseException:
+            self._loop.close()
+            raise
 
     @staticmethod
     async def _make(url: str, namespace: str, kwargs: dict) -> AsyncRolloutQueue:
@@ -535,46 +444,94 @@ class RolloutQueue:
 
     @property
     def stats(self) -> QueueStats:
+        """Counters since this queue was created."""
         return self._q.stats
 
     @property
     def policy_version(self) -> int:
+        """The trainer's declared policy version (set_policy_version, broadcast_weights)."""
         return self._q.policy_version
 
     @property
+    def max_in_flight(self) -> int | None:
+        """(max_staleness + 1) × batch_size, or None while either is unset (no limit)."""
+        return self._q.max_in_flight
+
+    @property
     def in_flight(self) -> int:
+        """Rollouts submitted by this queue and not yet acked, dropped or failed."""
         return self._q.in_flight
 
     @property
     def consumer(self) -> str:
+        """This trainer's consumer name in the rollout stream's group."""
         return self._q.consumer
 
     def room(self) -> int | None:
+        """Rollouts that can be submitted now without blocking (None: no limit configured)."""
         return self._q.room()
 
     def set_policy_version(self, version: int) -> None:
+        """The version the trainer is at now; staleness = this − a record's first-token version."""
         self._q.set_policy_version(version)
 
-    def submit(self, prompt_ids, options: SamplingOptions | None = None, **kwargs) -> str:
-        return self._loop.run(self._q.submit(prompt_ids, options, **kwargs))
+    def submit(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        options: SamplingOptions | None = None,
+        *,
+        n: int | None = None,
+        group_id: str | None = None,
+        metadata: dict[str, str] | None = None,
+        job_id: str | None = None,
+        timeout: float | None = None,
+        rollout_stream: str = "",
+    ) -> str:
+        """Queue one prompt for `n` samples; returns the job id. Blocks while the in-flight limit is
+        reached; raises QueueFull after `timeout` seconds (None: wait forever). See
+        AsyncRolloutQueue.submit."""
+        return self._loop.run(
+            self._q.submit(
+                prompt_ids,
+                options,
+                n=n,
+                group_id=group_id,
+                metadata=metadata,
+                job_id=job_id,
+                timeout=timeout,
+                rollout_stream=rollout_stream,
+            )
+        )
 
-    def next_batch(self, batch_size=None, max_staleness=None, timeout=None) -> list[RolloutRecord]:
+    def next_batch(
+        self, batch_size: int | None = None, max_staleness: int | None = None, timeout: float | None = None
+    ) -> list[RolloutRecord]:
+        """The next batch of whole groups (≥ batch_size records). Raises QueueTimeout after `timeout` s.
+        See AsyncRolloutQueue.next_batch."""
         return self._loop.run(self._q.next_batch(batch_size, max_staleness, timeout))
 
-    def batches(self, batch_size=None, max_staleness=None, timeout=None) -> Iterator[list[RolloutRecord]]:
+    def batches(
+        self, batch_size: int | None = None, max_staleness: int | None = None, timeout: float | None = None
+    ) -> Iterator[list[RolloutRecord]]:
+        """next_batch() forever: `for batch in q.batches(...)`; ack each one after training on it."""
         while True:
             yield self.next_batch(batch_size, max_staleness, timeout)
 
     def ack(self, batch: Sequence[RolloutRecord]) -> None:
+        """Confirm a trained batch (XACK + XDEL and the `done` markers, in one transaction)."""
         self._loop.run(self._q.ack(batch))
 
     def replicas(self) -> list[ReplicaInfo]:
+        """Live replicas of this namespace: those whose heartbeat key has not expired."""
         return self._loop.run(self._q.replicas())
 
     def broadcast_weights(self, version: int, checkpoint_dir: str, timeout: float = 120.0) -> dict[str, str]:
+        """UpdateWeights on every live replica concurrently; {replica_id: "ok" | error}. The declared
+        policy version becomes `version` either way."""
         return self._loop.run(self._q.broadcast_weights(version, checkpoint_dir, timeout))
 
     def close(self) -> None:
+        """Close the Redis connection and the event loop thread."""
         try:
             self._loop.run(self._q.close(), timeout=10)
         finally:

@@ -3,8 +3,8 @@
 The stream is bounded by `max_len` *unconsumed* entries: trainers XDEL what they ack, so XLEN is the
 backlog. When the backlog is full, or Redis answers OOM, the publisher waits (bounded) rather than
 trimming with MAXLEN, which would silently delete rollouts nobody has read. When Redis is down, the
-client's retry rule applies (maskroll.client.queue.connect); past the budget the error propagates and
-the caller keeps the job unacked, so it is redelivered — a record is never silently dropped.
+client's retry rule applies (maskroll.client.redis_conn.connect); past the budget the error propagates
+and the caller keeps the job unacked, so it is redelivered — a record is never silently dropped.
 """
 
 from __future__ import annotations

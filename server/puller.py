@@ -16,19 +16,23 @@ import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from maskroll.client import wire
-from maskroll.client.queue import ack_and_delete, dead_letter, ensure_group
 from maskroll.client.records import PromptJob, RolloutRecord
-from maskroll.client.streams import F_JOB, REPLICA_GROUP, StreamKeys
+from maskroll.client.redis_conn import REDIS_DOWN
+from maskroll.client.streams import (
+    F_JOB,
+    REPLICA_GROUP,
+    StreamKeys,
+    ack_and_delete,
+    dead_letter,
+    ensure_group,
+)
 
 from .metrics import Metrics
 from .publisher import RolloutPublisher
 
 log = logging.getLogger("maskroll.puller")
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
 
 class JobRejected(ValueError):

@@ -13,17 +13,17 @@ import pytest
 import redis
 from scripted import scripted_records
 
-from maskroll.client import wire
-from maskroll.client.local_redis import LocalRedis
-from maskroll.client.queue import (
+from maskroll.client import (
     AsyncRolloutQueue,
     QueueFull,
     QueueTimeout,
     QueueUnavailable,
     RolloutQueue,
-    connect,
+    SamplingOptions,
+    wire,
 )
-from maskroll.client.records import SamplingOptions
+from maskroll.client.local_redis import LocalRedis
+from maskroll.client.redis_conn import connect
 from maskroll.client.streams import F_JOB, F_RECORD, StreamKeys
 from maskroll.server.publisher import PublishTimeout, RolloutPublisher
 from maskroll.server.puller import JobRejected, PromptPuller

@@ -1,0 +1,168 @@
+"""The queue SDK split by concern, checked without Redis: what each module loads, the sync facade's
+signatures, and the pure parts (batch assembly, admission) on hand-built records.
+
+The Redis paths of the same code are exercised end to end in test_queue.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from maskroll.client.admission import InFlight, QueueFull, in_flight_limit
+from maskroll.client.batching import GroupBatcher
+from maskroll.client.queue import AsyncRolloutQueue, RolloutQueue
+from maskroll.client.records import RolloutRecord, Semantics
+
+
+def _loaded(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys, json\n{code}\nprint(json.dumps(sorted(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return set(json.loads(out.stdout))
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "maskroll.client.queue",
+        "maskroll.client.replicas",
+        "maskroll.client.streams",
+        "maskroll.client.redis_conn",
+        "maskroll.client.admission",
+        "maskroll.client.batching",
+    ],
+)
+def test_queue_modules_do_not_load_grpc(module):
+    # grpc belongs to the replica client; a trainer that only uses the queue never pays for it
+    loaded = _loaded(f"import {module}")
+    assert module in loaded
+    assert not {m for m in loaded if m == "grpc" or m.startswith("grpc.")}
+
+
+def test_pure_queue_modules_do_not_load_redis():
+    loaded = _loaded("import maskroll.client.admission, maskroll.client.batching")
+    assert not {m for m in loaded if m == "redis" or m.startswith("redis.")}
+
+
+def test_public_names_resolve_to_their_owning_modules():
+    import maskroll.client as c
+
+    owners = {
+        "RolloutQueue": "maskroll.client.queue",
+        "AsyncRolloutQueue": "maskroll.client.queue",
+        "QueueTimeout": "maskroll.client.queue",
+        "QueueStats": "maskroll.client.queue",
+        "QueueFull": "maskroll.client.admission",
+        "QueueUnavailable": "maskroll.client.redis_conn",
+        "ReplicaInfo": "maskroll.client.replicas",
+    }
+    assert {name: getattr(c, name).__module__ for name in owners} == owners
+    import maskroll.client.queue as q  # the queue module re-exports what its callers catch
+
+    assert q.QueueFull is c.QueueFull and q.QueueUnavailable is c.QueueUnavailable
+    assert q.ReplicaInfo is c.ReplicaInfo
+
+
+PUBLIC = ["__init__", "submit", "next_batch", "batches", "ack", "room", "set_policy_version"]
+PUBLIC += ["replicas", "broadcast_weights", "close"]
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_sync_facade_has_the_async_signature_and_a_docstring(name):
+    sync, async_ = getattr(RolloutQueue, name), getattr(AsyncRolloutQueue, name)
+    assert inspect.signature(sync).parameters == inspect.signature(async_).parameters
+    assert sync.__doc__ and (async_.__doc__ or name == "__init__")
+
+
+def _rec(job: str, i: int, *, size: int = 2, version: int = 0) -> RolloutRecord:
+    """A record with only what batching reads: ids, group size and policy version."""
+    z, zf = np.zeros(1, np.int32), np.zeros(1, np.float32)
+    return RolloutRecord(
+        rollout_id=f"{job}-{i}",
+        request_id=f"{job}-{i}",
+        prompt_ids=z,
+        completion_ids=z,
+        sampled_logprobs=zf,
+        sampled_ranks=z,
+        topk_ids=z[:, None],
+        topk_logprobs=zf[:, None],
+        finish_reason="stop",
+        semantics=Semantics(temperature=1.0, logprobs_k=1, engine="test"),
+        policy_version_first=version,
+        policy_version_last=version,
+        job_id=job,
+        sample_index=i,
+        group_size=size,
+    )
+
+
+def test_batcher_yields_whole_groups_oldest_first_and_each_rollout_once():
+    b = GroupBatcher()
+    never = lambda rec: False  # noqa: E731
+    assert b.offer(b"1", _rec("a", 0), acked=False, drop=False) == "kept"
+    assert b.offer(b"2", _rec("b", 0), acked=False, drop=False) == "kept"
+    assert b.offer(b"3", _rec("b", 1), acked=False, drop=False) == "kept"
+    assert b.take(4, never) == ([], {})  # 2 complete records < 4; "a" is not whole
+    assert b.offer(b"3", _rec("b", 1), acked=False, drop=False) == "redelivered"  # same entry again
+    assert b.offer(b"9", _rec("b", 1), acked=False, drop=False) == "duplicate"  # another entry, same id
+    assert b.offer(b"4", _rec("a", 1), acked=False, drop=False) == "kept"
+    assert b.buffered == 4
+    batch, dropped = b.take(2, never)
+    assert [r.rollout_id for r in batch] == ["b-0", "b-1"] and dropped == {}  # "b" was whole first
+    assert b.entry_of("b-1") == b"3"
+    b.acked(batch)
+    assert b.entry_of("b-1") is None
+    assert b.offer(b"5", _rec("b", 1), acked=False, drop=False) == "duplicate"  # remembered in memory
+    assert b.offer(b"6", _rec("c", 0), acked=True, drop=False) == "duplicate"  # Redis's done set
+    assert b.buffered == 2
+
+
+def test_batcher_drops_a_whole_group_that_went_stale_while_waiting():
+    b = GroupBatcher()
+    for i, entry in enumerate((b"1", b"2")):
+        b.offer(entry, _rec("old", i, version=3), acked=False, drop=False)
+    b.offer(b"3", _rec("new", 0, size=1, version=5), acked=False, drop=False)
+    batch, dropped = b.take(1, lambda rec: 5 - rec.policy_version_first > 1)
+    assert dropped == {"old": [b"1", b"2"]}  # each entry once
+    assert [r.rollout_id for r in batch] == ["new-0"]
+    assert b.buffered == 0 and b.entry_of("old-0") is None
+    # a record dropped on arrival takes the buffered rest of its group with it
+    b.offer(b"7", _rec("j", 0, size=3), acked=False, drop=False)
+    assert b.offer(b"8", _rec("j", 1, size=3), acked=False, drop=True) == "drop"
+    assert b.drop("j", [(b"8", _rec("j", 1, size=3))]) == [b"8", b"7"]
+    assert b.buffered == 0
+
+
+def test_in_flight_limit_blocks_then_admits():
+    assert in_flight_limit(8, 1) == 16 and in_flight_limit(3, 0) == 3
+    assert in_flight_limit(8, None) is None and in_flight_limit(None, 0) is None
+
+    async def main():
+        f = InFlight()
+        f.submitted("a", 3)
+        f.submitted("b", 1)
+        assert (f.count, f.room(4), f.room(None), f.expected("a")) == (4, 0, None, 3)
+        with pytest.raises(QueueFull, match="4 rollouts in flight; limit 4"):
+            await f.wait_for_room(2, 4, timeout=0.05)
+        waiter = asyncio.create_task(f.wait_for_room(2, 4, timeout=5))
+        await f.consumed("a", 1)
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # one free slot is not room for two
+        await f.consumed("a", 5)  # capped at what "a" still has
+        await asyncio.wait_for(waiter, 1)
+        assert (f.count, f.expected("a"), f.expected("b")) == (1, 0, 1)
+        await f.consumed("someone-else", 3)  # another submitter's job changes nothing
+        assert f.count == 1
+
+    asyncio.run(main())
