@@ -156,15 +156,15 @@ def run_grpc_subprocess(address: str, model_dir: Path, n: int, tokens: int, k: i
 
 async def bench(args: argparse.Namespace, model_dir: Path) -> dict:
     from maskroll.server.app import start
-    from maskroll.server.config import ServerConfig
+    from maskroll.server.config import EngineConfig, ServerConfig
     from maskroll.server.vllm_engine import VllmEngine
 
     n, t, kmax = args.requests, args.tokens, args.k
     engine = VllmEngine(
         model_dir,
         max_logprobs=kmax,
-        enforce_eager=True,
-        extra_engine_args={"max_num_seqs": n, "stream_interval": args.stream_interval},
+        max_batch=n,
+        config=EngineConfig(enforce_eager=True, vllm_args={"stream_interval": str(args.stream_interval)}),
     )
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()

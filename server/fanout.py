@@ -1,4 +1,4 @@
-"""Fan one Generate request out into n engine streams and merge their outputs in arrival order.
+"""Fan one request (`pipeline.Generation`) out into n engine streams; merge their outputs in arrival order.
 
 Owns the lifetime of the engine streams: leaving `async with FanOut(...)` — normally, by an error, or
 because the client went away and the handler was cancelled — cancels every stream still running and
@@ -22,7 +22,7 @@ class FanOut:
     def __init__(self, engine: Engine, requests: list[EngineRequest]) -> None:
         self._engine = engine
         self._requests = requests
-        # Unbounded: at most max_tokens outputs per sample, and the servicer keeps them for the record.
+        # Unbounded: at most max_tokens outputs per sample, and the sample builders keep them for the record.
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self.aborted = False
@@ -60,7 +60,7 @@ class FanOut:
             self._queue.put_nowait((index, _END))
 
     def abort(self) -> None:
-        """Make `outputs()` return at once; the unfinished samples are the caller's to end."""
+        """Make `outputs()` return at once (drain); the unfinished samples are the caller's to end."""
         self.aborted = True
         self._queue.put_nowait((None, _ABORT))
 

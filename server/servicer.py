@@ -1,22 +1,23 @@
 """RolloutServicer: the gRPC methods, each validate → convert → call → yield (STYLE.md §6).
 
-Validation lives in `validation`, record building in `records_builder`, the n-way engine fan-out in
-`fanout`, checkpoint rules in `weights`, protobuf conversion in `maskroll.client.wire*` and the mapping of
-exceptions to status codes in `errors.rpc_boundary`. What is left here is the order of the steps and
-the bookkeeping a drain needs (which requests are in flight).
+A request's generation (validation, record header, engine fan-out, chunks and records) is `pipeline`'s,
+shared with pull-mode jobs; checkpoint rules are `weights`', protobuf conversion `maskroll.client.wire`'s
+and the mapping of exceptions to status codes `errors.rpc_boundary`'s. What is left here is gRPC's part:
+conversion, duplicate ids in flight, publishing to a rollout_stream, metrics, and the bookkeeping a
+drain needs (which requests are in flight).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 
 from maskroll.client import wire
 from maskroll.client._proto import rollout_pb2 as pb
 from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
 from maskroll.client.records import LOGPROBS_MODE, ServerInfo, WeightsUpdateResult
 
-from . import validation, weights
+from . import weights
 from .config import ServerConfig
 from .engine import Engine
 from .errors import (
@@ -27,10 +28,9 @@ from .errors import (
     Unimplemented,
     rpc_boundary,
 )
-from .fanout import FanOut
 from .metrics import Metrics
+from .pipeline import Generation, Pipeline
 from .publisher import RolloutPublisher
-from .records_builder import RecordHeader, SampleBuilder, semantics_for
 
 
 def maskroll_version() -> str:
@@ -54,10 +54,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._publisher = publisher
         self._config = config
         self._metrics = metrics
-        self._caps = validation.Caps.of(
-            engine.limits, max_logprobs=config.max_logprobs, max_tokens=config.max_tokens, max_n=config.max_n
-        )
-        self._active: dict[str, FanOut] = {}  # request_id -> its engine streams, for drain and dedup
+        self._pipeline = Pipeline(engine, config)
+        self._caps = self._pipeline.caps
+        self._active: dict[str, Generation] = {}  # request_id -> the running request, for drain and dedup
         self._idle = asyncio.Event()
         self._idle.set()
         self._weights_lock = asyncio.Lock()  # one UpdateWeights at a time: versions must increase
@@ -74,62 +73,38 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         if self._draining:
             raise Unavailable("the server is draining; send the request to another replica")
-        validation.check_ids(request.request_id, request.job_id, request.group_id)
-        prompt = wire.prompt_from_pb(request)
-        validation.check_prompt(prompt, self._caps)
-        options = wire.options_from_pb(request.options)
-        params = validation.sampling_params(prompt, options, self._caps)
-        if request.rollout_stream and self._publisher is None:
-            raise FailedPrecondition("rollout_stream needs a server started with redis_url")
-        request_id = request.request_id or validation.new_request_id()
-        if request_id in self._active:
-            raise AlreadyExists(f"request_id {request_id!r} is already in flight on this replica")
-
-        e = self._engine
-        header = RecordHeader(
-            request_id=request_id,
+        gen = self._pipeline.prepare(
+            wire.prompt_from_pb(request),
+            wire.options_from_pb(request.options),
+            request_id=request.request_id,
             job_id=request.job_id,
             group_id=request.group_id,
-            metadata=dict(request.metadata),
-            prompt_ids=prompt,
-            semantics=semantics_for(params, engine=e.name, engine_version=e.version, model=e.model_id),
-            replica_id=self._config.replica_id,
-            group_size=options.n,
+            metadata=request.metadata,
         )
-        samples = [SampleBuilder(header, i) for i in range(options.n)]
+        if request.rollout_stream and self._publisher is None:
+            raise FailedPrecondition("rollout_stream needs a server started with redis_url")
+        if gen.request_id in self._active:
+            raise AlreadyExists(f"request_id {gen.request_id!r} is already in flight on this replica")
         finished = []  # records, published to request.rollout_stream once the request is complete
         arrays = request.include_record_arrays
-        fan = FanOut(e, validation.engine_requests(request_id, prompt, params, options.n))
-        tracker = self._metrics.generate_started(params.logprobs_k)
-        self._track(request_id, fan)
+        tracker = self._metrics.generate_started(gen.params.logprobs_k)
+        self._track(gen)
         try:
-            async with fan:
-                async for i, out in fan.outputs():
-                    if out is not None:
-                        chunk = samples[i].add(out, now=time.time())
-                    elif not samples[i].finished:  # the engine ended the stream without a finish reason
-                        chunk = samples[i].abort(current_version=e.policy_version, now=time.time())
-                    else:
-                        continue
+            async with contextlib.aclosing(gen.stream()) as chunks:
+                async for chunk in chunks:
                     tracker.tokens(len(chunk.token_ids))
                     if chunk.record is not None:
                         finished.append(chunk.record)
-                    yield wire.chunk_to_pb(chunk, record_arrays=arrays)
-            # Reached with unfinished samples only when the drain aborted us: their engine requests are
-            # cancelled by now; each still gets its last chunk, with finish_reason "abort".
-            for sample in samples:
-                if not sample.finished:
-                    chunk = sample.abort(current_version=e.policy_version, now=time.time())
                     yield wire.chunk_to_pb(chunk, record_arrays=arrays)
             # A group with aborted samples would never be whole on the queue: it is not published.
             if request.rollout_stream and all(r.finish_reason != "abort" for r in finished):
                 await self._publisher.publish(finished, request.rollout_stream)
         finally:
-            self._untrack(request_id)
+            self._untrack(gen.request_id)
             tracker.done()
 
-    def _track(self, request_id: str, fan: FanOut) -> None:
-        self._active[request_id] = fan
+    def _track(self, gen: Generation) -> None:
+        self._active[gen.request_id] = gen
         self._idle.clear()
 
     def _untrack(self, request_id: str) -> None:
@@ -198,6 +173,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             logprobs_mode=LOGPROBS_MODE,
             replica_id=self._config.replica_id,
             max_message_bytes=self._config.max_message_bytes,
+            **vars(e.settings),  # EngineSettings and ServerInfo name the engine's settings alike
         )
 
     # ---- drain ----------------------------------------------------------------------------------
@@ -222,5 +198,5 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     def abort_all(self) -> None:
         """End every in-flight Generate now: each unfinished sample gets a record with finish_reason abort."""
-        for fan in self._active.values():
-            fan.abort()
+        for gen in self._active.values():
+            gen.abort()

@@ -20,7 +20,6 @@ import collections
 import concurrent.futures
 import contextlib
 import inspect
-import math
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from .engine import (
     EngineLimits,
     EngineOutput,
     EngineRequest,
+    EngineSettings,
     SamplingParams,
     check_request,
     eos_token_ids,
@@ -122,6 +122,8 @@ class TorchEngine(Engine):
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         threads: int | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
     ) -> None:
         import transformers
 
@@ -129,9 +131,15 @@ class TorchEngine(Engine):
         self.model_dir = Path(model_dir)
         self.model_id = str(model_dir)
         config = transformers.AutoConfig.from_pretrained(self.model_dir).get_text_config()
+        model_len = int(config.max_position_embeddings)
+        if max_model_len is not None and not 2 <= max_model_len <= model_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} must be in [2, {model_len}] (the model's "
+                "max_position_embeddings: the torch engine does not extend a model's context)"
+            )
         self._limits = EngineLimits(
             vocab_size=int(config.vocab_size),
-            max_model_len=int(config.max_position_embeddings),
+            max_model_len=model_len if max_model_len is None else int(max_model_len),
             max_logprobs=int(max_logprobs),
             eos_token_ids=eos_token_ids(self.model_dir),
         )
@@ -139,6 +147,10 @@ class TorchEngine(Engine):
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self._max_batch = max_batch
         self._dtype, self._device, self._threads = dtype, torch.device(device), threads
+        # Draws the seed of every request that brings none, as vLLM's engine seed does: the same requests
+        # in the same order sample the same tokens after a restart. Used on the event loop thread only.
+        self._seed = int(seed)
+        self._seeder = torch.Generator().manual_seed(self._seed)
         self._model = None
         self._cache_kw = "cache"
         self._thread: threading.Thread | None = None
@@ -167,6 +179,12 @@ class TorchEngine(Engine):
     @property
     def policy_version(self) -> int:
         return self._version
+
+    @property
+    def settings(self) -> EngineSettings:
+        return EngineSettings(
+            dtype=str(self._dtype).removeprefix("torch."), seed=self._seed, max_batch=self._max_batch
+        )
 
     @property
     def num_active(self) -> int:
@@ -205,7 +223,7 @@ class TorchEngine(Engine):
             raise RuntimeError("engine not started")
         gen = torch.Generator()
         if request.params.seed is None:
-            gen.seed()  # non-deterministic
+            gen.manual_seed(int(torch.randint(0, 1 << 62, (), generator=self._seeder)))
         else:
             gen.manual_seed(int(request.params.seed))
         handle = _Handle(request, asyncio.get_running_loop(), asyncio.Queue(), gen)
@@ -252,8 +270,6 @@ class TorchEngine(Engine):
         """Cheap checks that keep a bad request from failing inside the shared batch (the servicer has
         already validated; this is the engine's own guard)."""
         check_request(request, self._limits)
-        if not (math.isfinite(request.params.temperature) and request.params.temperature > 0):
-            raise ValueError(f"temperature must be finite and > 0, got {request.params.temperature}")
 
     def _abort(self, handle: _Handle) -> None:
         with self._cv:

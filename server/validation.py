@@ -1,26 +1,25 @@
-"""Checks a Generate request against the server's limits and turns it into engine requests.
+"""Checks a request (Generate, a pull-mode job) against the server's limits; turns it into engine requests.
 
 Pure functions on domain objects (no gRPC, no engine calls): every rule of "bad input never crashes or
 wedges the server" lives here, and each failure is an `InvalidArgument` whose message starts with the
-offending field's wire name, e.g. "options.temperature must be finite and > 0, got nan".
+offending field's wire name, e.g. "options.temperature must be finite and > 0, got nan". The sampling
+option rules themselves are the SDK's (`maskroll.client.sampling`), applied here with the server's limits.
 """
 
 from __future__ import annotations
 
-import math
 import uuid
 from dataclasses import dataclass
 
 import numpy as np
 
+from maskroll.client import sampling
 from maskroll.client.records import SamplingOptions
 
 from .engine import EngineLimits, EngineRequest, SamplingParams
 from .errors import InvalidArgument
 
 MAX_ID_CHARS = 256  # request / job / group ids end up in Redis keys, logs and metrics
-MAX_STOP_TOKENS = 1024
-MAX_SEED = 2**63 - 1  # engines seed signed 64-bit generators; seed + n - 1 must fit
 
 
 @dataclass(frozen=True)
@@ -46,10 +45,6 @@ class Caps:
         )
 
 
-def _finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
 def check_ids(request_id: str, job_id: str, group_id: str) -> None:
     for name, value in (("request_id", request_id), ("job_id", job_id), ("group_id", group_id)):
         if len(value) > MAX_ID_CHARS:
@@ -62,9 +57,13 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def check_prompt(prompt: np.ndarray, caps: Caps) -> None:  # prompt: int32 [P]
+def check_prompt(prompt: np.ndarray, caps: Caps) -> None:  # prompt: integer [P]
     if prompt.size == 0:
         raise InvalidArgument("prompt_token_ids is empty; a prompt needs at least one token")
+    if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):  # a front end's own conversion
+        raise InvalidArgument(
+            f"prompt_token_ids must be a 1-D array of token ids, got {prompt.dtype} {prompt.shape}"
+        )
     bad = np.flatnonzero((prompt < 0) | (prompt >= caps.vocab_size))
     if bad.size:
         i = int(bad[0])
@@ -81,44 +80,17 @@ def check_prompt(prompt: np.ndarray, caps: Caps) -> None:  # prompt: int32 [P]
 
 def sampling_params(prompt: np.ndarray, o: SamplingOptions, caps: Caps) -> SamplingParams:
     """Validate `o` for `prompt` (int32 [P], already checked) and return the engine's parameters."""
-    if not (_finite(o.temperature) and o.temperature > 0):
-        raise InvalidArgument(
-            f"options.temperature must be finite and > 0, got {o.temperature} (there is no greedy mode: "
-            "the record's logprobs must describe a distribution)"
-        )
-    if not (_finite(o.top_p) and 0 < o.top_p <= 1):
-        raise InvalidArgument(f"options.top_p must be in (0, 1], got {o.top_p}")
-    if o.top_k < -1 or o.top_k > caps.vocab_size:
-        raise InvalidArgument(
-            f"options.top_k must be in [1, {caps.vocab_size}] (vocabulary size), or 0 / -1 for off; "
-            f"got {o.top_k}"
-        )
-    if o.max_tokens < 1:
-        raise InvalidArgument(f"options.max_tokens must be >= 1, got {o.max_tokens}")
-    if o.max_tokens > caps.max_tokens:
-        raise InvalidArgument(
-            f"options.max_tokens = {o.max_tokens} exceeds the server's limit {caps.max_tokens}"
-        )
-    if prompt.size + o.max_tokens > caps.max_model_len:
-        raise InvalidArgument(
-            f"options.max_tokens = {o.max_tokens} with a {prompt.size}-token prompt exceeds the model's "
-            f"context: {prompt.size} + {o.max_tokens} > max_model_len {caps.max_model_len}"
-        )
-    if not 0 <= o.logprobs_k <= caps.max_logprobs:
-        raise InvalidArgument(f"options.logprobs_k must be in [0, {caps.max_logprobs}], got {o.logprobs_k}")
-    if not 1 <= o.n <= caps.max_n:
-        raise InvalidArgument(f"options.n must be in [1, {caps.max_n}] (0 means 1), got {o.n}")
-    if o.seed is not None and o.seed + o.n - 1 > MAX_SEED:
-        raise InvalidArgument(f"options.seed = {o.seed}: seed + n - 1 must be <= {MAX_SEED}")
-    if len(o.stop_token_ids) > MAX_STOP_TOKENS:
-        raise InvalidArgument(
-            f"options.stop_token_ids has {len(o.stop_token_ids)} ids; at most {MAX_STOP_TOKENS}"
-        )
-    for i, t in enumerate(o.stop_token_ids):
-        if not 0 <= t < caps.vocab_size:
-            raise InvalidArgument(
-                f"options.stop_token_ids[{i}] = {t} is outside the vocabulary [0, {caps.vocab_size})"
-            )
+    problems = sampling.problems(
+        o,
+        vocab_size=caps.vocab_size,
+        max_tokens=caps.max_tokens,
+        max_logprobs=caps.max_logprobs,
+        max_n=caps.max_n,
+        prompt_len=int(prompt.size),
+        max_model_len=caps.max_model_len,
+    )
+    if problems:
+        raise InvalidArgument(f"options.{problems[0]}")
     return SamplingParams(
         max_tokens=o.max_tokens,
         temperature=float(o.temperature),

@@ -1,6 +1,8 @@
 """The vLLM engine: `AsyncLLM` behind the `Engine` contract. The only module in maskroll that imports vllm.
 
-Owns: engine start-up (processed logprobs, token ids only, DELTA streaming), the conversion of vLLM's
+Owns: the engine arguments (EngineConfig's settings with their per-platform defaults, --vllm-arg values
+checked against vLLM's own AsyncEngineArgs fields and parsed by their types), engine start-up (processed
+logprobs, token ids only, DELTA streaming), the effective settings read back, the conversion of vLLM's
 per-token logprobs into exactly-K sorted top-K arrays plus the sampled token's logprob and rank, the
 per-token policy version, aborting engine requests whose consumer went away, and in-place weight
 reloads from a safetensors directory. Knows nothing of gRPC, Redis or protobuf.
@@ -11,16 +13,30 @@ location that justifies it (paths relative to site-packages/vllm).
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import difflib
+import functools
 import itertools
+import json
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .engine import Engine, EngineLimits, EngineOutput, EngineRequest, check_request, eos_token_ids
+from .config import CPU_KV_CACHE_GB, ConfigError, EngineConfig, vllm_arg_problem
+from .engine import (
+    Engine,
+    EngineLimits,
+    EngineOutput,
+    EngineRequest,
+    EngineSettings,
+    check_request,
+    eos_token_ids,
+)
 
 # vLLM treats temperature < 1e-5 as greedy and then returns *unscaled* logprobs (v1/sample/sampler.py
 # Sampler.sample, _SAMPLING_EPS), and rejects temperature > 2 (sampling_params.py _verify_args).
@@ -46,6 +62,143 @@ def default_cache_env(root: Path | None = None) -> dict[str, str]:
         Path(path).mkdir(parents=True, exist_ok=True)
         out[var] = path
     return out
+
+
+# ---- engine arguments ---------------------------------------------------------------------------------
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+_VLLM_ARG = "[--vllm-arg / MASKROLL_VLLM_ARGS]"
+
+
+def base_engine_args(
+    model_dir: Path, config: EngineConfig, *, max_logprobs: int, max_batch: int, cuda: bool, gpu_count: int
+) -> dict[str, Any]:
+    """AsyncEngineArgs keywords from the typed settings, defaults resolved for the platform (`cuda`:
+    a CUDA-like device, `gpu_count` of them visible). Pure: no vllm import."""
+    dtype = config.dtype if config.dtype != "auto" else "bfloat16" if cuda else "float32"
+    tp = config.tensor_parallel_size
+    if tp == "auto":
+        tp = max(gpu_count, 1) if cuda else 1
+    kv_gb = config.kv_cache_gb
+    if kv_gb is None and config.gpu_memory_utilization is None and not cuda:
+        kv_gb = CPU_KV_CACHE_GB
+    args: dict[str, Any] = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "seed": config.seed,
+        "max_model_len": config.max_model_len,
+        "tensor_parallel_size": tp,
+        "quantization": config.quantization,
+        "enforce_eager": config.enforce_eager,
+        "max_num_seqs": max_batch,
+        "disable_log_stats": True,
+        # The mask contract (never from --vllm-arg, config.MASK_CONTRACT_ARGS). μ must be the
+        # distribution sampled from: after temperature, top-k and top-p (MATH.md §6).
+        "logprobs_mode": "processed_logprobs",
+        # We exchange token ids only; no tokenizer is loaded and nothing is detokenised.
+        "skip_tokenizer_init": True,
+        "max_logprobs": max_logprobs,
+    }
+    if kv_gb is not None:
+        args["kv_cache_memory_bytes"] = int(kv_gb * (1 << 30))
+    if config.gpu_memory_utilization is not None:
+        args["gpu_memory_utilization"] = config.gpu_memory_utilization
+    if config.enable_prefix_caching is not None:  # unset: vLLM's default for the model
+        args["enable_prefix_caching"] = config.enable_prefix_caching
+    return args
+
+
+def _split_list(raw: str) -> list[str]:
+    raw = raw.strip()
+    if raw.startswith("["):
+        return [v if isinstance(v, str) else json.dumps(v) for v in json.loads(raw)]
+    return raw.replace(",", " ").split()
+
+
+def _parse_one(raw: str, action: argparse.Action) -> Any:
+    """One --vllm-arg value, converted as `vllm serve --name value` converts it (`action` is that
+    option's argparse action)."""
+    word = raw.strip().lower()
+    if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+        if word not in _TRUE | _FALSE:
+            raise ValueError(f"expected true or false, got {raw!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return word in _TRUE
+        return action.const if word in _TRUE else action.default
+    if action.nargs == "?" and action.const is True and word in _TRUE:  # a bool-or-string option
+        return True
+    convert = action.type or str
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        values = [convert(v) for v in _split_list(raw)]
+        if isinstance(action.nargs, int) and len(values) != action.nargs:
+            raise ValueError(f"expected {action.nargs} values, got {len(values)}")
+        value: Any = values
+    else:
+        value = convert(raw)
+        values = [value]
+    bad = [v for v in values if action.choices is not None and v not in action.choices]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not one of {[c for c in action.choices if c is not None]}")
+    return value
+
+
+@functools.cache
+def _vllm_cli_actions() -> dict[str, argparse.Action]:
+    """AsyncEngineArgs field -> the argparse action `vllm serve` parses it with.
+
+    Shim: vLLM derives each option's type, choices and nargs from the dataclass annotations of its config
+    classes (engine/arg_utils.py EngineArgs.add_cli_args, _compute_kwargs): JSON for dict and config
+    fields, human-readable numbers (8k), --flag / --no-flag booleans. Reusing it means a value is spelt
+    and checked exactly as on vLLM's own command line."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    fields = {f.name for f in dataclasses.fields(AsyncEngineArgs) if not f.name.startswith("_")}
+    return {a.dest: a for a in parser._actions if a.dest in fields}
+
+
+def parse_vllm_args(vllm_args: Mapping[str, str]) -> dict[str, Any]:
+    """--vllm-arg NAME=VALUE strings -> AsyncEngineArgs keywords. An unknown name, a name maskroll sets
+    itself, or a value that does not convert is a ConfigError naming it."""
+    if not vllm_args:
+        return {}
+    actions = _vllm_cli_actions()
+    out: dict[str, Any] = {}
+    for name, raw in vllm_args.items():
+        problem = vllm_arg_problem(name)
+        if problem is None and name not in actions:
+            near = difflib.get_close_matches(name, list(actions), n=3)
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
+            problem = f"{name!r} is not a vLLM engine argument (AsyncEngineArgs, as `vllm serve` takes){hint}"
+        if problem is not None:
+            raise ConfigError(f"invalid configuration:\n  vllm_args: {problem} {_VLLM_ARG}")
+        try:
+            out[name] = _parse_one(raw, actions[name])
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+            raise ConfigError(
+                f"invalid configuration:\n  vllm_args: bad value {raw!r} for {name!r}: {e} {_VLLM_ARG}"
+            ) from None
+    return out
+
+
+def engine_args(
+    model_dir: Path, config: EngineConfig, *, max_logprobs: int, max_batch: int
+) -> tuple[Any, list[str]]:
+    """(AsyncEngineArgs for this platform, the names that came from --vllm-arg). A pass-through value
+    may replace only what has no setting of its own (disable_log_stats, say)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+
+    cuda = current_platform.is_cuda_alike()
+    # Shim: device_count is defined by the CUDA / ROCm platforms (platforms/cuda.py, rocm.py) and counts
+    # without initialising CUDA in this process (the engine core is forked from it).
+    gpus = current_platform.device_count() if cuda else 0
+    args = base_engine_args(
+        model_dir, config, max_logprobs=max_logprobs, max_batch=max_batch, cuda=cuda, gpu_count=gpus
+    )
+    extra = parse_vllm_args(config.vllm_args)
+    return AsyncEngineArgs(**{**args, **extra}), sorted(extra)
 
 
 def _safetensors_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
@@ -171,34 +324,18 @@ class VllmEngine(Engine):
         model_dir: str | Path,
         *,
         max_logprobs: int = 20,
-        max_model_len: int | None = None,
-        dtype: str = "float32",
-        seed: int = 0,
-        kv_cache_gb: float = 1.0,
-        enforce_eager: bool = False,
+        max_batch: int = 64,
+        config: EngineConfig | None = None,
         model_id: str | None = None,
-        extra_engine_args: dict[str, Any] | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.model_id = model_id or str(self.model_dir)
         self.version = "unknown"  # vllm.__version__ once started: importing vllm here would be heavy
-        self._engine_args = {
-            "model": str(self.model_dir),
-            "dtype": dtype,
-            "seed": seed,
-            "max_model_len": max_model_len,
-            "max_logprobs": max_logprobs,
-            # μ must be the distribution sampled from: after temperature, top-k and top-p (MATH.md §6).
-            "logprobs_mode": "processed_logprobs",
-            # We exchange token ids only; no tokenizer is loaded and nothing is detokenised.
-            "skip_tokenizer_init": True,
-            "kv_cache_memory_bytes": int(kv_cache_gb * (1 << 30)),
-            "enforce_eager": enforce_eager,
-            "disable_log_stats": True,
-            **(extra_engine_args or {}),
-        }
+        self.config = config if config is not None else EngineConfig()
+        self._max_logprobs, self._max_batch = max_logprobs, max_batch
         self._llm: Any = None
         self._limits: EngineLimits | None = None
+        self._settings: EngineSettings | None = None
         self._version = 0
         self._active: set[str] = set()  # request ids whose generate() is running
         self._update_lock: Any = None
@@ -212,11 +349,18 @@ class VllmEngine(Engine):
 
         default_cache_env()
         import vllm
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.version = vllm.__version__
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
+        args, vllm_config = self._vllm_config()
+        # Shim: from_engine_args would build the config a second time; these are the engine arguments
+        # it reads besides (v1/engine/async_llm.py AsyncLLM.from_engine_args / from_vllm_config).
+        self._llm = AsyncLLM.from_vllm_config(
+            vllm_config,
+            enable_log_requests=args.enable_log_requests,
+            disable_log_stats=args.disable_log_stats,
+            aggregate_engine_logging=args.aggregate_engine_logging,
+        )
         try:
             # Label every token from the start; weight updates relabel (see update_weights).
             await self._llm.update_weight_version(str(self._version))
@@ -227,11 +371,27 @@ class VllmEngine(Engine):
                 max_logprobs=int(mc.max_logprobs),
                 eos_token_ids=eos_token_ids(self.model_dir),
             )
+            self._settings = effective_settings(self._llm.vllm_config)
             self._update_lock = asyncio.Lock()
             await self._warm_up()
         except BaseException:
             await self.close()  # the engine-core processes are running: do not leak them
             raise
+
+    def _vllm_config(self) -> tuple[Any, Any]:
+        """The engine arguments, checked by vLLM itself before any engine process starts: a value it
+        refuses (a quantisation the model lacks, a context longer than the model's, ...) is a
+        ConfigError naming vLLM's reason, not a traceback from inside the engine core."""
+        from vllm.usage.usage_lib import UsageContext
+
+        args, passed = engine_args(
+            self.model_dir, self.config, max_logprobs=self._max_logprobs, max_batch=self._max_batch
+        )
+        try:
+            return args, args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
+            via = f" (passed through: {', '.join(passed)})" if passed else ""
+            raise ConfigError(f"invalid configuration:\n  vLLM refused the engine arguments{via}: {e}") from e
 
     async def _warm_up(self) -> None:
         """The first request with logprobs compiles vLLM's rank kernel (`batched_count_greater_than` is
@@ -265,6 +425,12 @@ class VllmEngine(Engine):
     @property
     def policy_version(self) -> int:
         return self._version
+
+    @property
+    def settings(self) -> EngineSettings:
+        if self._settings is None:
+            raise RuntimeError("VllmEngine.start() has not been called")
+        return self._settings
 
     # ---- generation -------------------------------------------------------------------------------
 
@@ -428,6 +594,25 @@ class VllmEngine(Engine):
         n = self._llm.get_num_unfinished_requests()
         busy = await self._llm.engine_core.call_utility_async("has_work")
         return int(n), bool(busy)
+
+
+def effective_settings(vllm_config: Any) -> EngineSettings:
+    """What the started engine runs with, read back from vLLM's resolved config (after its defaults,
+    the platform's overrides and the KV cache sizing), not from what was asked for. Shim: the frontend's
+    copy of `num_gpu_blocks` is filled in by the engine-core handshake (v1/engine/core_client.py)."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    fixed = int(cc.kv_cache_memory_bytes or 0)
+    return EngineSettings(
+        dtype=str(mc.dtype).removeprefix("torch."),
+        seed=int(mc.seed or 0),
+        max_batch=int(vllm_config.scheduler_config.max_num_seqs),
+        tensor_parallel_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        quantization=str(mc.quantization or ""),
+        prefix_caching=bool(cc.enable_prefix_caching),
+        kv_cache_bytes=fixed,
+        gpu_memory_utilization=0.0 if fixed else float(cc.gpu_memory_utilization),
+        kv_cache_tokens=int(cc.num_gpu_blocks or 0) * int(cc.block_size or 0),
+    )
 
 
 def _finish_reason(reason: str | None) -> str | None:

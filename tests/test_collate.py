@@ -79,3 +79,12 @@ def test_semantic_checks() -> None:
 def test_per_sequence_temperature() -> None:
     b = collate([_rec("a", [1], [2], temperature=0.7), _rec("b", [1], [2], temperature=1.3)], [0.0, 1.0])
     assert b.temperature.dtype == torch.float64 and b.temperature.tolist() == [0.7, 1.3]
+
+
+@pytest.mark.parametrize("t", [0.0, -0.5, float("nan"), float("inf")])
+def test_a_record_with_an_invalid_temperature_is_refused_by_the_sdk_rule(t) -> None:
+    recs = [_rec("a", [1], [2]), _rec("b", [1], [2], temperature=t), _rec("c", [1], [2])]
+    with pytest.raises(SemanticsError) as err:
+        collate(recs, [0.0, 1.0, 0.5])
+    assert str(err.value).startswith(f"semantics.temperature must be finite and > 0, got {t} (there is no")
+    assert str(err.value).endswith("(1 of 3 records)")

@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from maskroll.client import wire
-from maskroll.client.records import RecordAssembler, RolloutChunk, RolloutRecord, SamplingOptions, Semantics
+from maskroll.client._proto import rollout_pb2 as pb
+from maskroll.client.records import (
+    RecordAssembler,
+    RolloutChunk,
+    RolloutRecord,
+    SamplingOptions,
+    Semantics,
+    ServerInfo,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -143,3 +151,23 @@ def test_sampling_options_round_trip_and_defaults() -> None:
     empty = wire.options_from_pb(wire.pb.SamplingOptions(max_tokens=4))
     assert (empty.temperature, empty.top_p, empty.top_k, empty.n, empty.seed) == (1.0, 1.0, 0, 1, None)
     assert SamplingOptions(temperature=0.0).problems() and not o.problems()
+
+
+def test_server_info_round_trip_carries_the_engine_settings() -> None:
+    info = ServerInfo(
+        model="/models/m", engine="vllm", engine_version="0.32.0", maskroll_version="0.1.0", policy_version=7,
+        max_logprobs_k=20, max_model_len=8192, vocab_size=151936, max_tokens=4096, max_n=64,
+        logprobs_mode="processed", replica_id="r-1", max_message_bytes=1 << 24, dtype="bfloat16", seed=5,
+        max_batch=256, tensor_parallel_size=4, quantization="fp8", prefix_caching=True, kv_cache_bytes=0,
+        gpu_memory_utilization=0.9, kv_cache_tokens=1_234_567,
+    )  # fmt: skip
+    m = wire.info_to_pb(info)
+    assert (m.dtype, m.tensor_parallel_size, m.gpu_memory_utilization, m.kv_cache_tokens) == (
+        "bfloat16",
+        4,
+        0.9,
+        1_234_567,
+    )
+    assert wire.info_from_pb(pb.ServerInfo.FromString(m.SerializeToString())) == info
+    # Every ServerInfo field is on the wire under the same name (a new one cannot be forgotten).
+    assert set(ServerInfo.__dataclass_fields__) == {f.name for f in pb.ServerInfo.DESCRIPTOR.fields}

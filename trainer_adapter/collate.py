@@ -1,8 +1,9 @@
 """collate: a batch of rollout records → padded tensors for compute_masks / policy_loss (MATH.md §6).
 
 Records are duck-typed (the numpy `RolloutRecord` of maskroll.client has the fields used here), so this
-module needs neither grpc nor redis. It also enforces the sampling semantics a trainer must match:
-processed logprobs, one K per batch, and no truncated records unless the trainer replays truncation.
+module needs neither grpc nor redis (from maskroll.client it takes only the stdlib-pure temperature rule).
+It also enforces the sampling semantics a trainer must match: processed logprobs, one K per batch, a
+valid temperature, and no truncated records unless the trainer replays truncation.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from maskroll.client.sampling import temperature_problem
 
 Tensor = torch.Tensor
 
@@ -95,9 +98,10 @@ def check_semantics(
     ks = {int(r.topk_ids.shape[1]) for r in records}
     if len(ks) != 1:
         raise SemanticsError(f"records carry different K {sorted(ks)}; collate one K per batch")
-    temps = [float(r.semantics.temperature) for r in records]
-    if not all(np.isfinite(t) and t > 0 for t in temps):
-        raise SemanticsError(f"temperature must be > 0, got {sorted(set(temps))}")
+    # The SDK's rule (maskroll.client.sampling), which the server applied when it sampled them.
+    bad = [p for r in records if (p := temperature_problem(float(r.semantics.temperature)))]
+    if bad:
+        raise SemanticsError(f"semantics.{bad[0]} ({len(bad)} of {len(records)} records)")
     truncs = {_truncation(r) for r in records}
     if len(truncs) != 1:
         raise SemanticsError(f"records mix truncation settings (top_k, top_p) {sorted(truncs, key=str)}")

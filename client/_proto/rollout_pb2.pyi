@@ -222,7 +222,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "engine", "engine_version", "maskroll_version", "policy_version", "max_logprobs_k", "max_model_len", "vocab_size", "max_tokens", "max_n", "logprobs_mode", "replica_id", "max_message_bytes")
+    __slots__ = ("model", "engine", "engine_version", "maskroll_version", "policy_version", "max_logprobs_k", "max_model_len", "vocab_size", "max_tokens", "max_n", "logprobs_mode", "replica_id", "max_message_bytes", "dtype", "seed", "max_batch", "tensor_parallel_size", "quantization", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization", "kv_cache_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,15 @@ class ServerInfo(_message.Message):
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     engine_version: str
@@ -249,7 +258,16 @@ class ServerInfo(_message.Message):
     logprobs_mode: str
     replica_id: str
     max_message_bytes: int
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., maskroll_version: _Optional[str] = ..., policy_version: _Optional[int] = ..., max_logprobs_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_n: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., replica_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    dtype: str
+    seed: int
+    max_batch: int
+    tensor_parallel_size: int
+    quantization: str
+    prefix_caching: bool
+    kv_cache_bytes: int
+    gpu_memory_utilization: float
+    kv_cache_tokens: int
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., maskroll_version: _Optional[str] = ..., policy_version: _Optional[int] = ..., max_logprobs_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_n: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., replica_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_tokens: _Optional[int] = ...) -> None: ...
 
 class PromptJob(_message.Message):
     __slots__ = ("job_id", "prompt_token_ids", "options", "group_id", "metadata", "submitted_at", "rollout_stream", "schema_version")

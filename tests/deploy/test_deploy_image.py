@@ -13,12 +13,14 @@ the files as they are.
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from pathlib import Path, PurePosixPath
 
 import pytest
 from deploy_files import (
     COMPOSE,
+    COMPOSE_GPU,
     DEPLOY,
     ENV_EXAMPLE,
     REPO,
@@ -42,7 +44,7 @@ from deploy_files import (
 )
 
 from maskroll.client.local_redis import LocalRedis, free_port
-from maskroll.server.config import ServerConfig, vllm_available
+from maskroll.server.config import ServerConfig, config_fields, load_config, vllm_available
 
 # Announced by the queue issue and used by compose.yaml / config.yaml; ServerConfig gains them there.
 PULL_MODE_FIELDS = {"redis_url", "namespace", "pull", "pull_concurrency", "advertise_address"}
@@ -152,15 +154,69 @@ def _config_fields(names) -> set[str]:
 
 def test_every_maskroll_variable_set_by_the_deployment_is_a_server_config_field():
     """A misspelt MASKROLL_* variable would be silently ignored by `maskroll serve`."""
-    compose = load_compose(COMPOSE, load_env_file(ENV_EXAMPLE))
-    used = _config_fields(image_env()) | _config_fields(compose["services"]["replica-1"]["environment"])
+    env = load_env_file(ENV_EXAMPLE)
+    used = _config_fields(image_env())
+    for path in (COMPOSE, COMPOSE_GPU):
+        used |= _config_fields(load_compose(path, env)["services"]["replica-1"].get("environment", {}))
     for name in ("cpu", "gpu"):
         resources = rendered(name)
         container = pod_spec(one(resources, "Deployment", "maskroll-replica"))["containers"][0]
         used |= _config_fields(one(resources, "ConfigMap", "maskroll-config")["data"])
         used |= _config_fields(v["name"] for v in container["env"])
-    unknown = used - set(ServerConfig.model_fields)
+    assert "tensor_parallel_size" in used  # the engine's settings are part of the check
+    unknown = used - set(config_fields())
     assert unknown == set()
+
+
+def _gpu_replica_envs() -> dict[str, tuple[dict[str, str], int]]:
+    """The GPU deployments' replica environments (the MASKROLL_* part) and the GPUs each replica gets."""
+    env = load_env_file(ENV_EXAMPLE)
+    base = load_compose(COMPOSE, env)["services"]["replica-1"]["environment"]
+    gpu = load_compose(COMPOSE_GPU, env)["services"]["replica-1"]
+    (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    resources = rendered("gpu")
+    container = pod_spec(one(resources, "Deployment", "maskroll-replica"))["containers"][0]
+    k8s = container_env(resources, container, {"metadata.name": "p", "status.podIP": "10.0.0.1"})
+    out = {
+        "compose": ({**base, **gpu["environment"]}, len(device["device_ids"])),
+        "k8s": (k8s, int(container["resources"]["limits"]["nvidia.com/gpu"])),
+    }
+    return {k: ({n: v for n, v in e.items() if n.startswith("MASKROLL_")}, g) for k, (e, g) in out.items()}
+
+
+@pytest.mark.parametrize("case", ["compose", "k8s"])
+def test_gpu_replicas_run_vllm_in_bfloat16_on_every_gpu_they_are_given(case, monkeypatch, tmp_path):
+    """Loaded as `maskroll serve` loads it; then the engine arguments a CUDA machine would get: bfloat16,
+    the memory fraction instead of the CPU's fixed KV cache, tensor parallelism = the pod's GPUs."""
+    import maskroll.server.config as config
+    from maskroll.server.vllm_engine import base_engine_args
+
+    deploy_env, gpus = _gpu_replica_envs()[case]
+    for key in [k for k in os.environ if k.startswith("MASKROLL_")]:
+        monkeypatch.delenv(key)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    deploy_env.update(MASKROLL_MODEL=str(model), MASKROLL_WEIGHTS_ROOT=str(tmp_path))
+    for key, value in deploy_env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(config, "vllm_available", lambda: True)  # the GPU image has vLLM
+    c = load_config([])
+    assert c.resolved_engine == "vllm"
+
+    def args_with(n_gpus: int) -> dict:
+        kw = {"max_logprobs": c.max_logprobs, "max_batch": c.max_batch, "cuda": True, "gpu_count": n_gpus}
+        return base_engine_args(c.model, c.engine_config, **kw)
+
+    args = args_with(gpus)
+    assert (args["dtype"], args["gpu_memory_utilization"], args["tensor_parallel_size"]) == (
+        "bfloat16",
+        0.9,
+        gpus,
+    )
+    assert "kv_cache_memory_bytes" not in args and args["enable_prefix_caching"] is True
+    # A pod given 4 GPUs splits the model 4 ways, with no other change to the settings.
+    assert args_with(4)["tensor_parallel_size"] == 4
 
 
 # ---- the entrypoint, run -----------------------------------------------------------------------------

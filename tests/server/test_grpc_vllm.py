@@ -32,6 +32,23 @@ def _run(server, fn):
     return asyncio.run(main())
 
 
+def test_get_info_reports_the_engine_settings(vllm_server):
+    async def fn(c):
+        return await c.info()
+
+    info = _run(vllm_server, fn)
+    assert (info.engine, info.max_model_len, info.max_tokens, info.dtype, info.seed) == (
+        "vllm",
+        1024,
+        1023,
+        "float32",
+        0,
+    )
+    assert (info.tensor_parallel_size, info.quantization, info.kv_cache_bytes) == (1, "", 1 << 30)
+    assert (info.gpu_memory_utilization, info.kv_cache_tokens) == (0.0, (1 << 30) // 2048)
+    assert info.max_batch == 64 and info.prefix_caching == vllm_server.engine.settings.prefix_caching
+
+
 def test_chunks_reassemble_to_the_record(vllm_server):
     opts = SamplingOptions(max_tokens=16, logprobs_k=5, n=2, seed=3, temperature=0.8, top_k=40)
 

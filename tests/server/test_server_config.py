@@ -9,7 +9,14 @@ import sys
 
 import pytest
 
-from maskroll.server.config import ConfigError, ServerConfig, build_parser, load_config
+from maskroll.server.config import (
+    ConfigError,
+    EngineConfig,
+    ServerConfig,
+    build_parser,
+    config_fields,
+    load_config,
+)
 
 
 @pytest.fixture
@@ -53,9 +60,175 @@ def test_flags_override_env_vars_which_override_defaults(model, monkeypatch):
 def test_every_field_has_a_flag_with_help():
     parser = build_parser()
     flags = {a.dest: a for a in parser._actions if a.dest != "help"}
-    assert set(flags) == set(ServerConfig.model_fields)
+    engine_fields = set(EngineConfig.model_fields)
+    assert set(flags) == (set(ServerConfig.model_fields) - {"engine_config"}) | engine_fields
+    assert set(flags) == set(config_fields())
     for name, action in flags.items():
         assert action.help and "MASKROLL_" + name.upper() in action.help, name
+    assert engine_fields >= {
+        "max_model_len",
+        "tensor_parallel_size",
+        "gpu_memory_utilization",
+        "kv_cache_gb",
+        "enable_prefix_caching",
+        "quantization",
+        "seed",
+        "dtype",
+        "vllm_args",
+    }
+
+
+def test_help_lists_the_engine_flags():
+    text = build_parser().format_help()
+    for flag in (
+        "--max-model-len",
+        "--tensor-parallel-size",
+        "--gpu-memory-utilization",
+        "--kv-cache-gb",
+        "--enable-prefix-caching",
+        "--quantization",
+        "--seed",
+        "--dtype",
+        "--enforce-eager",
+        "--vllm-arg NAME=VALUE",
+    ):
+        assert flag in text, flag
+    text = " ".join(text.split())  # argparse wraps the help lines
+    assert "MASKROLL_VLLM_ARGS" in text and "bfloat16 on CUDA, float32 on CPU" in text
+
+
+def test_engine_defaults(model):
+    e = load_config(["--model", str(model)]).engine_config
+    assert (e.dtype, e.max_model_len, e.seed, e.tensor_parallel_size) == ("auto", None, 0, 1)
+    assert (e.gpu_memory_utilization, e.kv_cache_gb, e.enable_prefix_caching, e.quantization) == (
+        None,
+        None,
+        None,
+        None,
+    )
+    assert e.enforce_eager is False and e.vllm_args == {}
+
+
+def test_engine_flags_parse_and_override_their_env_vars(model, monkeypatch):
+    monkeypatch.setenv("MASKROLL_MAX_MODEL_LEN", "512")
+    monkeypatch.setenv("MASKROLL_SEED", "9")
+    monkeypatch.setenv("MASKROLL_ENABLE_PREFIX_CACHING", "false")
+    monkeypatch.setenv(
+        "MASKROLL_VLLM_ARGS", '{"max_num_batched_tokens": 8192, "enable_chunked_prefill": true}'
+    )
+    c = load_config(
+        ["--model", str(model), "--engine", "vllm", "--max-model-len", "256", "--tensor-parallel-size", "4",
+         "--gpu-memory-utilization", "0.85", "--enable-prefix-caching", "--quantization", "fp8",
+         "--dtype", "bfloat16", "--enforce-eager"]
+    )  # fmt: skip
+    e = c.engine_config
+    assert (e.max_model_len, e.seed, e.tensor_parallel_size, e.gpu_memory_utilization) == (256, 9, 4, 0.85)
+    assert (e.enable_prefix_caching, e.quantization, e.dtype, e.enforce_eager) == (
+        True,
+        "fp8",
+        "bfloat16",
+        True,
+    )
+    # JSON values from the environment become the strings vLLM's command line would have been given.
+    assert e.vllm_args == {"max_num_batched_tokens": "8192", "enable_chunked_prefill": "true"}
+    flags = load_config(
+        ["--model", str(model), "--vllm-arg", "block-size=32", "--vllm-arg", "stream_interval=4"]
+    )
+    assert flags.engine_config.vllm_args == {"block_size": "32", "stream_interval": "4"}  # flags replace env
+    auto = load_config(["--model", str(model), "--tensor-parallel-size", "auto"])
+    assert auto.engine_config.tensor_parallel_size == "auto"
+
+
+def test_engine_config_is_nested_and_read_from_the_environment(model, monkeypatch):
+    monkeypatch.setenv("MASKROLL_KV_CACHE_GB", "0.5")
+    c = ServerConfig(model=model)  # as tests and the bench build it: env vars still apply
+    assert c.engine_config.kv_cache_gb == 0.5
+    c = ServerConfig(model=model, engine_config=EngineConfig(max_model_len=64))
+    assert c.engine_config.max_model_len == 64 and c.engine_config.kv_cache_gb == 0.5
+
+
+VA = "--vllm-arg"
+OWN = "has its own setting: use"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        ([VA, "logprobs_mode=raw_logprobs"], ["'logprobs_mode' is fixed by maskroll", "[--vllm-arg /"]),
+        ([VA, "skip-tokenizer-init=false"], ["'skip_tokenizer_init' is fixed by maskroll"]),
+        ([VA, "max_logprobs=100"], ["'max_logprobs' is fixed by maskroll"]),
+        ([VA, "max_model_len=99"], [f"'max_model_len' {OWN} --max-model-len"]),
+        ([VA, "kv_cache_memory_bytes=1G"], [f"'kv_cache_memory_bytes' {OWN} --kv-cache-gb"]),
+        ([VA, "max_num_seqs=3"], [f"'max_num_seqs' {OWN} --max-batch"]),
+        ([VA, "block_size"], ["--vllm-arg takes NAME=VALUE, got 'block_size'"]),
+        ([VA, "Block Size=1"], ["'Block Size' is not a vLLM engine argument name"]),
+        ([VA, "block_size=16", VA, "block-size=32"], ["'block_size' is given twice"]),
+        (["--max-model-len", "1"], ["max_model_len: Input should be greater than or equal to 2",
+                                    "MASKROLL_MAX_MODEL_LEN"]),
+        (["--tensor-parallel-size", "0"], ["tensor_parallel_size must be auto or an integer in [1, 1024]"]),
+        (["--tensor-parallel-size", "many"], ["tensor_parallel_size must be auto or an integer"]),
+        (["--gpu-memory-utilization", "1.5"], ["gpu_memory_utilization: Input should be less than or"]),
+        (["--kv-cache-gb", "0"], ["kv_cache_gb: Input should be greater than 0"]),
+        (["--kv-cache-gb", "2", "--gpu-memory-utilization", "0.5"],
+         ["give kv_cache_gb (2.0) or gpu_memory_utilization (0.5), not both"]),
+        (["--seed", "-1"], ["seed: Input should be greater than or equal to 0"]),
+        (["--seed", str(1 << 32)], ["seed: Input should be less than or equal to 4294967295"]),
+        (["--quantization", "fp8; rm"], ["quantization: String should match pattern"]),
+        (["--enable-prefix-caching", "maybe"], ["enable_prefix_caching: Input should be a valid boolean"]),
+    ],
+)  # fmt: skip
+def test_bad_engine_settings_name_the_setting(model, argv, needles):
+    with pytest.raises(ConfigError) as err:
+        load_config(["--model", str(model), *argv])
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_engine_and_server_errors_are_reported_together(model):
+    with pytest.raises(ConfigError) as err:
+        load_config(["--model", str(model), "--max-model-len", "1", "--port", "70000"])
+    assert "max_model_len" in str(err.value) and "port: Input should be less than" in str(err.value)
+
+
+def test_vllm_args_env_var_must_be_json(model, monkeypatch):
+    monkeypatch.setenv("MASKROLL_VLLM_ARGS", "block_size=16")
+    with pytest.raises(ConfigError, match=r"vllm_args.*must hold JSON"):
+        load_config(["--model", str(model)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "given"),
+    [
+        (["--tensor-parallel-size", "2"], "tensor_parallel_size=2"),
+        (["--gpu-memory-utilization", "0.9"], "gpu_memory_utilization=0.9"),
+        (["--kv-cache-gb", "4"], "kv_cache_gb=4.0"),
+        (["--enable-prefix-caching"], "enable_prefix_caching=True"),
+        (["--quantization", "fp8"], "quantization='fp8'"),
+        (["--vllm-arg", "block_size=16"], "vllm_args={'block_size': '16'}"),
+    ],
+)
+def test_the_torch_engine_refuses_what_only_vllm_can_honour(model, argv, given):
+    with pytest.raises(ConfigError) as err:
+        load_config(["--model", str(model), "--engine", "torch", *argv])
+    assert f"the torch engine cannot honour {given}" in str(err.value)
+
+
+def test_the_torch_engine_takes_what_it_can_honour(model, monkeypatch):
+    import maskroll.server.config as config
+
+    c = load_config(
+        ["--model", str(model), "--engine", "torch", "--max-model-len", "128", "--seed", "7", "--dtype",
+         "bfloat16", "--tensor-parallel-size", "1", "--enable-prefix-caching", "false", "--enforce-eager"]
+    )  # fmt: skip
+    assert (c.engine_config.max_model_len, c.engine_config.seed, c.engine_config.dtype) == (
+        128,
+        7,
+        "bfloat16",
+    )
+    # engine=auto without vllm resolves to torch, and the refusal says so.
+    monkeypatch.setattr(config, "vllm_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"torch engine \(engine=auto and vllm is not installed\)"):
+        load_config(["--model", str(model), "--tensor-parallel-size", "auto", "--quantization", "awq"])
 
 
 @pytest.mark.parametrize(

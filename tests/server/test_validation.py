@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from maskroll.client.records import SamplingOptions
+from maskroll.client.sampling import temperature_problem
 from maskroll.server.errors import InvalidArgument
 from maskroll.server.validation import Caps, check_ids, check_prompt, engine_requests, sampling_params
 
@@ -131,3 +132,54 @@ def test_model_eos_stops_unless_ignored():
     assert p.stop_token_ids == (7, 99)  # no duplicate
     assert sampling_params(prompt, SamplingOptions(max_tokens=5), caps).stop_token_ids == (99,)
     assert sampling_params(prompt, SamplingOptions(max_tokens=5, ignore_eos=True), caps).stop_token_ids == ()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            dict(temperature=0.0),
+            "temperature must be finite and > 0, got 0.0 (there is no greedy mode: the record's logprobs "
+            "must describe a distribution)",
+        ),
+        (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+        (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
+        (dict(seed=2**63 - 2, n=3), f"seed = {2**63 - 2}: seed + n - 1 must be <= {2**63 - 1}"),
+        (dict(stop_token_ids=tuple(range(1025))), "stop_token_ids has 1025 ids; at most 1024"),
+    ],
+)
+def test_the_sdk_and_the_server_apply_one_rule_with_one_message(options, message):
+    o = SamplingOptions(**{"max_tokens": 5, **options})
+    assert o.problems() == [message]
+    with pytest.raises(InvalidArgument) as err:
+        sampling_params(PROMPT, o, CAPS)
+    assert str(err.value) == f"options.{message}"
+
+
+def test_without_server_limits_the_sdk_checks_only_what_holds_everywhere():
+    # Fine for some server: the SDK lets them through and this server's limits refuse each.
+    for over in (
+        dict(top_k=101),
+        dict(logprobs_k=21),
+        dict(n=9),
+        dict(max_tokens=51),
+        dict(stop_token_ids=(100,)),
+    ):
+        o = SamplingOptions(**{"max_tokens": 5, **over})
+        assert o.problems() == [], over
+        with pytest.raises(InvalidArgument):
+            sampling_params(PROMPT, o, CAPS)
+    # Wrong for every server: all reported at once, each naming its field.
+    o = SamplingOptions(top_k=-2, logprobs_k=-1, n=0, stop_token_ids=(4, -3))
+    assert o.problems() == [
+        "top_k must be >= -1 (-1 and 0 mean off), got -2",
+        "logprobs_k must be >= 0, got -1",
+        "n must be >= 1, got 0",
+        "stop_token_ids[1] = -3 is negative",
+    ]
+
+
+def test_temperature_rule_accepts_numpy_scalars_and_refuses_non_numbers():
+    assert temperature_problem(np.float32(0.25)) is None and temperature_problem(2) is None
+    for bad in (0, -0.1, math.nan, -math.inf, np.float64(math.inf), "1.0", None):
+        assert temperature_problem(bad).startswith(f"temperature must be finite and > 0, got {bad}"), bad

@@ -158,6 +158,16 @@ def test_identity_and_limits(rig: Rig) -> None:
     assert rig.engine.policy_version == 0
 
 
+def test_effective_settings_are_read_back_from_vllm(rig: Rig) -> None:
+    """The CPU defaults, as vLLM resolved them: float32, the fixed 1 GiB KV cache (so no memory
+    fraction), one device, no quantisation, max_batch 64 as max_num_seqs."""
+    s = rig.engine.settings
+    assert (s.dtype, s.seed, s.max_batch, s.tensor_parallel_size, s.quantization) == ("float32", 0, 64, 1, "")
+    assert (s.kv_cache_bytes, s.gpu_memory_utilization) == (1 << 30, 0.0)
+    # 2 layers x (K, V) x 4 heads x 32 dims x 4 bytes = 2048 bytes per token: 1 GiB holds 2^19 tokens.
+    assert s.kv_cache_tokens == (1 << 30) // 2048
+
+
 def test_exactly_k_sorted_and_sampled_token_kept_apart(rig: Rig) -> None:
     """T = 1.8 with K = 5 makes the sampled token fall outside the top K most of the time, which is
     exactly when vLLM returns K + 1 entries."""

@@ -118,10 +118,13 @@ def vllm_engine(tiny_model_dir: Path) -> Iterator[Engine]:
         pytest.skip("vllm is not installed")
     with _use() as shared:
         if shared.engine is None:
+            from maskroll.server.config import EngineConfig
             from maskroll.server.vllm_engine import VllmEngine
 
             _set_env()
-            engine = VllmEngine(tiny_model_dir, max_logprobs=MAX_LOGPROBS, enforce_eager=True, seed=0)
+            # The defaults otherwise: float32, a 1 GiB KV cache on CPU, the model's context of 1024.
+            config = EngineConfig(enforce_eager=True, seed=0)
+            engine = VllmEngine(tiny_model_dir, max_logprobs=MAX_LOGPROBS, config=config)
             shared.loop.run(engine.start(), timeout=600)
             shared.engine = engine
         yield shared.engine

@@ -1,0 +1,283 @@
+"""The generation pipeline called directly, as a third front end would: validation before any engine
+call, the chunk/record numbers, aborts, early close, engine ids; and on the real TorchEngine, the same
+seed gives the pipeline, a Generate call and a pull-mode job the same records, an abort frees the
+engine, and the engine's own guard applies the SDK's temperature rule."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import numpy as np
+import pytest
+from fake_engine import FakeEngine, scripted_token
+from grpc_fixtures import server_config, server_loop, torch_engine, torch_server, wait_until  # noqa: F401
+
+from maskroll.client import RecordAssembler, RolloutClient, SamplingOptions
+from maskroll.client.records import PromptJob, rollout_id_for
+from maskroll.client.sampling import temperature_problem
+from maskroll.server.engine import EngineRequest, SamplingParams
+from maskroll.server.errors import InvalidArgument
+from maskroll.server.jobs import JobRunner
+from maskroll.server.pipeline import Pipeline
+from maskroll.server.puller import JobRejected
+
+ARRAYS = ("completion_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs")
+
+
+@pytest.fixture
+def fake_model_dir(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    return tmp_path
+
+
+def make(fake_model_dir, **engine_kwargs) -> tuple[Pipeline, FakeEngine]:
+    engine = FakeEngine(**engine_kwargs)
+    return Pipeline(engine, server_config(fake_model_dir, max_n=4, max_tokens=250)), engine
+
+
+async def collect(gen) -> list:
+    async with contextlib.aclosing(gen.stream()) as chunks:
+        return [c async for c in chunks]
+
+
+def test_chunks_and_records_carry_the_scripted_numbers(fake_model_dir):
+    pipeline, engine = make(fake_model_dir)
+    opts = SamplingOptions(max_tokens=5, logprobs_k=3, n=2, seed=4, temperature=0.5, top_k=7)
+    gen = pipeline.prepare([3, 4], opts, request_id="r", job_id="j", group_id="g", metadata={"m": "1"})
+    assert engine.requests == []  # prepared, not started
+    chunks = asyncio.run(collect(gen))
+    assert sorted(q.request_id for q in engine.requests) == ["r-0", "r-1"]
+    assert sorted(q.params.seed for q in engine.requests) == [4, 5]
+    assert len(chunks) == 10  # the fake streams one token per output
+    records = {c.sample_index: c.record for c in chunks if c.record is not None}
+    assembler = RecordAssembler()
+    for c in chunks:
+        assembled = assembler.add(c) or None
+        if assembled is not None:
+            for name in ARRAYS:
+                np.testing.assert_array_equal(getattr(assembled, name), getattr(c.record, name), err_msg=name)
+    for i, rec in records.items():
+        tokens = [scripted_token(4 + i, j, 50) for j in range(5)]
+        np.testing.assert_array_equal(rec.completion_ids, tokens)
+        np.testing.assert_array_equal(rec.sampled_logprobs, np.float32(-(np.arange(5) + 1) / 7.0))
+        np.testing.assert_array_equal(rec.sampled_ranks, [1, 2, 3, 1, 2])
+        np.testing.assert_array_equal(rec.topk_ids[:, 0], tokens)
+        np.testing.assert_array_equal(rec.topk_ids[1], [(tokens[1] + d) % 50 for d in range(3)])
+        np.testing.assert_array_equal(rec.topk_logprobs[2], np.float32(-3 / 7.0) - np.float32([0, 1, 2]) / 3)
+        assert rec.rollout_id == rollout_id_for("j", i) and rec.sample_index == i
+        assert (rec.request_id, rec.job_id, rec.group_id, rec.metadata) == ("r", "j", "g", {"m": "1"})
+        assert (rec.finish_reason, rec.group_size, rec.replica_id) == ("length", 2, "test-replica")
+        assert (rec.policy_version_first, rec.policy_version_last, rec.version_changes) == (0, 0, [])
+        np.testing.assert_array_equal(rec.prompt_ids, [3, 4])
+        assert rec.prompt_ids.dtype == np.int32
+    s = gen.header.semantics
+    assert (s.temperature, s.top_p, s.top_k, s.logprobs_k, s.engine, s.model) == (
+        0.5,
+        1.0,
+        7,
+        3,
+        "fake",
+        "fake-model",
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "options", "ids", "message"),
+    [
+        ([1], dict(temperature=0.0), {}, "options.temperature must be finite and > 0, got 0.0"),
+        ([1], dict(n=5), {}, "options.n must be in [1, 4] (0 means 1), got 5"),
+        ([1], dict(max_tokens=251), {}, "options.max_tokens = 251 exceeds the server's limit 250"),
+        ([1], dict(stop_token_ids=(50,)), {}, "options.stop_token_ids[0] = 50 is outside the vocabulary"),
+        ([1, 50], {}, {}, "prompt_token_ids[1] = 50 is outside the vocabulary [0, 50)"),
+        ([], {}, {}, "prompt_token_ids is empty"),
+        (np.array([1.0, 2.0]), {}, {}, "prompt_token_ids must be a 1-D array of token ids, got float64 (2,)"),
+        ([1], {}, dict(group_id="a\nb"), "group_id 'a\\nb' contains non-printable characters"),
+        # a pull-mode job's id is also its request id: a bad one is named as job_id
+        ([1], {}, dict(request_id="x" * 300, job_id="x" * 300), "job_id has 300 characters; at most 256"),
+    ],
+)
+def test_invalid_requests_raise_before_any_engine_call(fake_model_dir, prompt, options, ids, message):
+    pipeline, engine = make(fake_model_dir)
+    with pytest.raises(InvalidArgument) as err:
+        pipeline.prepare(prompt, SamplingOptions(**{"max_tokens": 3, **options}), **ids)
+    assert str(err.value).startswith(message), str(err.value)
+    assert engine.requests == [] and engine.aborted == []
+
+
+def test_abort_mid_stream_ends_every_sample_with_an_abort_record(fake_model_dir):
+    pipeline, engine = make(fake_model_dir, token_delay_s=0.01)
+    gen = pipeline.prepare([1], SamplingOptions(max_tokens=200, n=2, seed=0, logprobs_k=2))
+
+    async def main():
+        chunks = []
+        async with contextlib.aclosing(gen.stream()) as stream:
+            async for c in stream:
+                chunks.append(c)
+                if len(chunks) == 4:
+                    gen.abort()
+        return chunks
+
+    chunks = asyncio.run(main())
+    records = {c.sample_index: c.record for c in chunks if c.record is not None}
+    assert sorted(records) == [0, 1]
+    assert sorted(engine.aborted) == [f"{gen.request_id}-0", f"{gen.request_id}-1"] and not engine.active
+    for i, rec in records.items():
+        streamed = [int(t) for c in chunks if c.sample_index == i for t in c.token_ids]
+        assert rec.finish_reason == "abort" and 0 < rec.num_tokens == len(streamed) < 200
+        np.testing.assert_array_equal(
+            rec.completion_ids, [scripted_token(i, j, 50) for j in range(len(streamed))]
+        )
+        np.testing.assert_array_equal(rec.completion_ids, streamed)
+        last = [c for c in chunks if c.sample_index == i][-1]
+        assert len(last.token_ids) == 0 and last.topk_ids.shape == (0, 2) and last.policy_version == 0
+
+
+def test_abort_before_the_stream_starts_gives_empty_abort_records(fake_model_dir):
+    pipeline, engine = make(fake_model_dir)
+    engine._version = 3
+    gen = pipeline.prepare([1], SamplingOptions(max_tokens=5, n=3))
+    gen.abort()
+    records = asyncio.run(gen.records())
+    assert [r.finish_reason for r in records] == ["abort"] * 3
+    assert [r.num_tokens for r in records] == [0, 0, 0]
+    assert [(r.policy_version_first, r.policy_version_last) for r in records] == [(3, 3)] * 3
+    assert [r.sample_index for r in records] == [0, 1, 2]
+
+
+def test_engine_ending_a_stream_without_finish_reason_is_an_abort_record(fake_model_dir):
+    pipeline, engine = make(fake_model_dir)
+    engine.end_without_finish = True
+    (rec,) = asyncio.run(pipeline.prepare([1], SamplingOptions(max_tokens=3, seed=2)).records())
+    assert rec.finish_reason == "abort"
+    np.testing.assert_array_equal(rec.completion_ids, [scripted_token(2, j, 50) for j in range(3)])
+
+
+def test_closing_the_stream_early_cancels_every_engine_request(fake_model_dir):
+    pipeline, engine = make(fake_model_dir, token_delay_s=0.01)
+    gen = pipeline.prepare([1], SamplingOptions(max_tokens=200, n=3), request_id="gone")
+
+    async def main():
+        async with contextlib.aclosing(gen.stream()) as stream:
+            async for _ in stream:
+                break
+        # aclosing returned only after the engine saw every cancellation
+        return sorted(engine.aborted), set(engine.active)
+
+    assert asyncio.run(main()) == (["gone-0", "gone-1", "gone-2"], set())
+    with pytest.raises(RuntimeError, match="already been run"):
+        asyncio.run(collect(gen))
+
+
+def test_engine_ids_request_ids_and_refusals(fake_model_dir):
+    pipeline, engine = make(fake_model_dir)
+    gen = pipeline.prepare([1], SamplingOptions(max_tokens=1, n=2), job_id="job", engine_id="job.abc")
+    assert len(gen.request_id) == 32 and gen.request_id != "job"  # "" → a fresh id
+    records = asyncio.run(gen.records())
+    assert sorted(q.request_id for q in engine.requests) == ["job.abc-0", "job.abc-1"]
+    assert [r.rollout_id for r in records] == [rollout_id_for("job", 0), rollout_id_for("job", 1)]
+    engine.refuse = "temperature must be in [1e-05, 2.0] for vLLM, got 3.0"
+    with pytest.raises(InvalidArgument, match="the fake engine refused the request: temperature"):
+        asyncio.run(pipeline.prepare([1], SamplingOptions(max_tokens=1, temperature=3.0)).records())
+
+
+def test_job_runner_rejects_invalid_jobs_and_runs_each_attempt_under_its_own_engine_ids(fake_model_dir):
+    engine = FakeEngine()
+    runner = JobRunner(engine, server_config(fake_model_dir, max_n=4))
+    job = PromptJob(
+        job_id="j1", prompt_ids=np.array([1], np.int32), options=SamplingOptions(max_tokens=2, n=2)
+    )
+    first, second = asyncio.run(runner(job)), asyncio.run(runner(job))
+    ids = [q.request_id for q in engine.requests]
+    assert len(set(ids)) == 4 and all(i.startswith("j1.") for i in ids)
+    for a, b in zip(first, second, strict=True):  # a re-run yields duplicates: same rollout ids, same tokens
+        assert a.rollout_id == b.rollout_id and (a.request_id, a.group_id) == ("j1", "j1")
+        np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+    bad = PromptJob(job_id="j2", prompt_ids=np.array([1], np.int32), options=SamplingOptions(n=5))
+    with pytest.raises(JobRejected, match=r"^options\.n must be in \[1, 4\]"):
+        asyncio.run(runner(bad))
+
+
+# ---- the real engine ------------------------------------------------------------------------------
+
+PROMPT = np.array([256, 72, 101, 108, 108, 111], np.int32)  # <bos> "Hello"
+OPTS = SamplingOptions(max_tokens=12, logprobs_k=4, n=2, seed=21, temperature=0.9, ignore_eos=True)
+
+
+def test_same_seed_gives_the_same_records_from_pipeline_generate_and_job(
+    torch_server,  # noqa: F811
+    torch_engine,  # noqa: F811
+    server_loop,  # noqa: F811
+    tiny_model_dir,
+):
+    config = server_config(tiny_model_dir)
+    direct = server_loop.run(
+        Pipeline(torch_engine, config)
+        .prepare(PROMPT, OPTS, request_id="p", job_id="job-7", group_id="g")
+        .records()
+    )
+    job = PromptJob(job_id="job-7", prompt_ids=PROMPT, options=OPTS, group_id="g")
+    pulled = server_loop.run(JobRunner(torch_engine, config)(job))
+
+    async def generate():
+        async with RolloutClient(torch_server.address) as c:
+            return await c.generate_records(PROMPT, OPTS, job_id="job-7", group_id="g")
+
+    served = asyncio.run(generate())
+    assert [r.num_tokens for r in direct] == [12, 12]
+    assert not np.array_equal(direct[0].completion_ids, direct[1].completion_ids)  # seeds 21 and 22
+    for other in (pulled, served):
+        for a, b in zip(direct, other, strict=True):
+            assert (a.rollout_id, a.sample_index, a.group_id, a.finish_reason) == (
+                b.rollout_id,
+                b.sample_index,
+                b.group_id,
+                b.finish_reason,
+            )
+            assert a.semantics == b.semantics and a.semantics.temperature == 0.9
+            v = torch_engine.policy_version
+            assert (a.policy_version_first, a.policy_version_last, b.policy_version_first) == (v, v, v)
+            # A seed fixes the tokens whatever else shares the batch; logprobs agree to float rounding.
+            np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+            np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+            np.testing.assert_allclose(a.sampled_logprobs, b.sampled_logprobs, atol=1e-4)
+            np.testing.assert_allclose(a.topk_logprobs, b.topk_logprobs, atol=1e-4)
+            assert a.sampled_logprobs.max() < 0 and np.all(a.sampled_ranks >= 1)
+
+
+def test_abort_on_the_real_engine_frees_its_requests(torch_engine, server_loop, tiny_model_dir):  # noqa: F811
+    gen = Pipeline(torch_engine, server_config(tiny_model_dir)).prepare(
+        PROMPT, SamplingOptions(max_tokens=400, logprobs_k=2, n=2, seed=1, ignore_eos=True)
+    )
+
+    async def main():
+        chunks = []
+        async with contextlib.aclosing(gen.stream()) as stream:
+            async for c in stream:
+                chunks.append(c)
+                if sum(len(x.token_ids) for x in chunks) >= 4:
+                    gen.abort()
+        return chunks
+
+    chunks = server_loop.run(main())
+    records = sorted((c.record for c in chunks if c.record is not None), key=lambda r: r.sample_index)
+    assert [(r.sample_index, r.finish_reason) for r in records] == [(0, "abort"), (1, "abort")]
+    for r in records:
+        streamed = np.concatenate([c.token_ids for c in chunks if c.sample_index == r.sample_index])
+        np.testing.assert_array_equal(r.completion_ids, streamed)
+        assert r.num_tokens < 400
+    wait_until(lambda: torch_engine.num_active == 0, what="the engine to free the aborted requests")
+
+
+def test_the_torch_engine_guard_refuses_a_temperature_by_the_same_rule(torch_engine, server_loop):  # noqa: F811
+    # Reachable only past the pipeline (which refuses it first): the engine's own guard.
+    bad = EngineRequest("guard-0", PROMPT, SamplingParams(max_tokens=2, temperature=0.0, logprobs_k=1))
+
+    async def first_output():
+        async with contextlib.aclosing(torch_engine.generate(bad)) as stream:
+            return await stream.__anext__()
+
+    with pytest.raises(ValueError) as err:
+        server_loop.run(first_output())
+    assert str(err.value) == temperature_problem(0.0)
+    assert torch_engine.num_active == 0
