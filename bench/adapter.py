@@ -1,4 +1,5 @@
-"""Cost of the trainer adapter's loss step against the log_softmax + gather + PPO-clip baseline (MATH.md §8).
+"""Cost of the trainer adapter's loss step against the log_softmax + gather + PPO-clip baseline
+(docs/math.md §8).
 
 Measures forward + backward of one policy-loss step on N response tokens with [N, V] logits (float32 or
 bfloat16), for five cases:

@@ -1,6 +1,6 @@
 """`maskroll analyze`: the direction analysis computes its numbers, reproducibly, and they make sense.
 
-The thresholds are the mathematical facts of MATH.md §4, not typed-in results: P̂ with the
+The thresholds are the mathematical facts of docs/math.md §4, not typed-in results: P̂ with the
 proportional estimator is the exact first-order change of the bucketed D, so for an infinitesimal step
 it must agree with the realised ΔD(topk_kl) on every token that moves; the exact full-vocabulary P
 likewise with ΔD(full KL); and the ratio rule, blind to the rest of the distribution, must be wrong

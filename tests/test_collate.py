@@ -1,4 +1,4 @@
-"""collate: padding layout, group-normalised advantages by hand, and the semantic checks of MATH.md §6."""
+"""collate: padding layout, group-normalised advantages by hand, the semantic checks of docs/math.md §6."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""maskroll.trainer_adapter: trust-region masks and the policy loss on the learner (MATH.md).
+"""maskroll.trainer_adapter: trust-region masks and the policy loss on the learner (docs/math.md).
 
 Divergences between the rollout's behaviour policy μ (top-K logprobs from the engine) and the training
 policy π, PPO / DPPO / predictive masks, the truncated-IS loss, diagnostics and collation. Imports torch

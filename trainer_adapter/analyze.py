@@ -1,4 +1,4 @@
-"""`maskroll analyze`: the paper's direction analysis on synthetic LLM-like states (MATH.md §4.2, §7).
+"""`maskroll analyze`: the paper's direction analysis on synthetic LLM-like states (docs/math.md §4.2, §7).
 
 Each state is one token position: Zipf-shaped trainer logits z over V tokens, a behaviour policy μ that
 is a noisy, drifted copy of π = softmax(z), a token a ~ μ, an advantage A = ±1 and the engine's record

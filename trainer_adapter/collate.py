@@ -1,4 +1,4 @@
-"""collate: a batch of rollout records → padded tensors for compute_masks / policy_loss (MATH.md §6).
+"""collate: a batch of rollout records → padded tensors for compute_masks / policy_loss (docs/math.md §6).
 
 Records are duck-typed (the numpy `RolloutRecord` of maskroll.client has the fields used here), so this
 module needs neither grpc nor redis (from maskroll.client it takes only the stdlib-pure temperature rule).
@@ -21,7 +21,7 @@ Tensor = torch.Tensor
 
 
 class SemanticsError(ValueError):
-    """The records cannot be trained on as they are (MATH.md §6)."""
+    """The records cannot be trained on as they are (docs/math.md §6)."""
 
 
 @dataclass
@@ -93,7 +93,7 @@ def check_semantics(
     modes = {r.semantics.logprobs_mode for r in records}
     if modes != {"processed"}:
         raise SemanticsError(
-            f"logprobs_mode {sorted(modes)}: only 'processed' logprobs describe μ (MATH.md §6)"
+            f"logprobs_mode {sorted(modes)}: only 'processed' logprobs describe μ (docs/math.md §6)"
         )
     ks = {int(r.topk_ids.shape[1]) for r in records}
     if len(ks) != 1:

@@ -1,4 +1,4 @@
-"""MaskConfig: the one frozen choice of trust-region mask for a training run (MATH.md §3, §4.1).
+"""MaskConfig: the one frozen choice of trust-region mask for a training run (docs/math.md §3, §4.1).
 
 Variants are picked here, once, and validated; the hot path only reads the resolved fields.
 """
@@ -13,7 +13,7 @@ Method = Literal["none", "ppo", "dppo", "predictive"]
 Divergence = Literal["binary_tv", "binary_kl", "topk_tv", "topk_kl"]
 Estimator = Literal["aggregated", "uniform", "proportional"]
 
-# DPPO's typical thresholds (MATH.md §2): KL δ = 0.05, TV δ = 0.15–0.20.
+# DPPO's typical thresholds (docs/math.md §2): KL δ = 0.05, TV δ = 0.15–0.20.
 DEFAULT_DELTA = {"binary_tv": 0.15, "topk_tv": 0.15, "binary_kl": 0.05, "topk_kl": 0.05}
 
 
@@ -30,7 +30,7 @@ class MaskConfig:
     delta_low / delta_high: δ for tokens with A < 0 / A > 0. Default: 0.05 for KL, 0.15 for TV.
     eps_low / eps_high: PPO clip range (method "ppo" only): masked if r < 1 − eps_low (A < 0) or
         r > 1 + eps_high (A > 0), moving away.
-    replay_truncation: replay the record's top-k / top-p truncation on π (MATH.md §6). When False,
+    replay_truncation: replay the record's top-k / top-p truncation on π (docs/math.md §6). When False,
         records sampled with truncation are refused.
     chunk_tokens: tokens processed per full-vocabulary chunk; bounds the extra memory to one
         [chunk_tokens, V] float32 tensor. Results do not depend on it.

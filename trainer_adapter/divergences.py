@@ -1,4 +1,4 @@
-"""Divergences D(μ, π) and their predicted first-order change P̂, per token (MATH.md §2, §4).
+"""Divergences D(μ, π) and their predicted first-order change P̂, per token (docs/math.md §2, §4).
 
 Pure functions on the retained support S = topK ∪ {a} of each token. They know nothing of logits,
 chunks or configs: `Support` carries the K+1 gathered log-probabilities, the tail masses and Σ_V π².
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 Tensor = torch.Tensor
-TINY = 1e-12  # MATH.md §1: log(max(x, 1e-12)) for clamped masses
+TINY = 1e-12  # docs/math.md §1: log(max(x, 1e-12)) for clamped masses
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def build_support(
 
 @dataclass(frozen=True)
 class Buckets:
-    """S entries plus the tail as one bucket (MATH.md §1)."""
+    """S entries plus the tail as one bucket (docs/math.md §1)."""
 
     pi: Tensor  # [n, K+1]
     mu: Tensor  # [n, K+1]
@@ -88,7 +88,7 @@ def _log_clamped(x: Tensor) -> Tensor:
     return x.clamp_min(TINY).log()
 
 
-# ---- divergences (MATH.md §2) -------------------------------------------------------------------
+# ---- divergences (docs/math.md §2) -------------------------------------------------------------------
 
 
 def topk_kl(b: Buckets, s: Support) -> Tensor:  # [n]
@@ -116,10 +116,10 @@ def binary_kl(logpi_a: Tensor, logmu_a: Tensor) -> Tensor:  # [n]
     return torch.where(mu_a > 0, mu_a * (logmu_a - logpi_a), 0.0) + q * (q.log() - p_bar.log())
 
 
-# ---- predicted direction P̂ = dD/dτ along z' = z + τ(e_a − π) (MATH.md §4) --------------------------
+# ---- predicted direction P̂ = dD/dτ along z' = z + τ(e_a − π) (docs/math.md §4) --------------------------
 
 
-def tail_concentration(b: Buckets, estimator: str) -> Tensor:  # [n] Q̂_T (MATH.md §4.1)
+def tail_concentration(b: Buckets, estimator: str) -> Tensor:  # [n] Q̂_T (docs/math.md §4.1)
     if estimator == "aggregated":
         return b.pi_tail.square()
     if estimator == "uniform":

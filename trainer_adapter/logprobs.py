@@ -4,7 +4,7 @@ The trainer needs log π_a = ℓ_a/T − logsumexp(ℓ/T) for the loss. `log_sof
 full [N, V] float32 output alive for backward and its backward allocates another [N, V] for the
 gathered gradient; here forward keeps only logsumexp per token and backward recomputes π one chunk at a
 time, writing ∂ log π_a/∂ℓ = (e_a − π)/T straight into the gradient (in the logits' dtype: bf16 stays
-bf16). Temperature and replayed truncation are those of `processed` (MATH.md §6).
+bf16). Temperature and replayed truncation are those of `processed` (docs/math.md §6).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def token_logprobs(
     """log π_a under π = softmax(ℓ/T) (with top-k/top-p replayed if given), differentiable w.r.t. logits.
 
     With `return_stats=True` also returns the per-token logsumexp and Σ π² of the same pass, for
-    `compute_masks(..., vocab_stats=...)` to reuse instead of reading the logits again (MATH.md §8).
+    `compute_masks(..., vocab_stats=...)` to reuse instead of reading the logits again (docs/math.md §8).
     """
     lead, vocab = ids.shape, logits.shape[-1]
     check_shape(logits, (*lead, vocab), "logits")

@@ -1,4 +1,4 @@
-"""policy_loss: the truncated-IS policy-gradient loss with a token mask, and its metrics (MATH.md §5).
+"""policy_loss: the truncated-IS policy-gradient loss with a token mask, and its metrics (docs/math.md §5).
 
 ℓ_token = −A · w · M · log π_a,  w = min(exp(min(log π_a − log μ_a, 20)), C); w and M are constants.
 """
@@ -56,7 +56,7 @@ def policy_loss(
     max_len: int | None = None,  # seq_mean_token_sum_norm's constant; default T
     masks: MaskResult | None = None,  # adds divergence / direction / mismatch metrics
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Scalar loss and a dict of 0-dim detached metric tensors (MATH.md §5)."""
+    """Scalar loss and a dict of 0-dim detached metric tensors (docs/math.md §5)."""
     if aggregation not in _AGGREGATIONS:
         raise ValueError(f"aggregation={aggregation!r}; expected one of {tuple(_AGGREGATIONS)}")
     if not is_cap > 0:

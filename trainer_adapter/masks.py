@@ -1,7 +1,7 @@
-"""compute_masks: per-token trust-region masks from trainer logits and a rollout's top-K (MATH.md §3–§4).
+"""compute_masks: per-token trust-region masks from trainer logits and a rollout's top-K (docs/math.md §3–§4).
 
 Three steps: the input checks (`_checked_inputs`), the chunked pass over the vocabulary that yields
-log π_a, D and P̂ per token (`_vocab_pass`: one [chunk_tokens, V] float tensor at a time, MATH.md §8),
+log π_a, D and P̂ per token (`_vocab_pass`: one [chunk_tokens, V] float tensor at a time, docs/math.md §8),
 and the method's proximity and direction tests (`DECISIONS`, one pure function per method). The
 per-token formulas live in `divergences`; π's temperature and truncation in `processed`.
 """
@@ -71,7 +71,7 @@ def _token_fn(config: MaskConfig) -> TokenFn:
     return table[config.divergence]
 
 
-# ---- the decision: proximity and direction per method (MATH.md §3) ----------------------------------
+# ---- the decision: proximity and direction per method (docs/math.md §3) ----------------------------------
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Quantities:
     logpi_a: Tensor  # [N] log π_a
     mu_a_log: Tensor  # [N] log μ_a
     divergence: Tensor  # [N] D(μ, π) of config.divergence
-    predicted: Tensor  # [N] P̂ of the same D (MATH.md §4)
+    predicted: Tensor  # [N] P̂ of the same D (docs/math.md §4)
     ratio_direction: Tensor  # [N] π_a − μ_a
     valid: Tensor  # [N] bool: response tokens
 
@@ -97,7 +97,7 @@ Decide = Callable[[Quantities, MaskConfig], Decision]
 
 
 def _masked(q: Quantities, far: Tensor, direction: Tensor) -> Decision:
-    """Masked iff far and moving away; strict, so A = 0 or a zero direction keeps the token (MATH.md §3)."""
+    """Masked iff far and moving away; strict: A = 0 or a zero direction keeps the token (docs/math.md §3)."""
     far = far & q.valid  # [N] bool
     away = q.adv * direction > 0  # [N] bool
     return Decision(keep=q.valid & ~(far & away), far=far, direction=direction)
@@ -109,19 +109,19 @@ def _far_by_divergence(q: Quantities, config: MaskConfig) -> Tensor:  # [N] bool
 
 
 def decide_ppo(q: Quantities, config: MaskConfig) -> Decision:
-    """PPO: r = π_a/μ_a beyond 1 − ε_low (A < 0) or 1 + ε_high (A ≥ 0), direction r − 1 (MATH.md §3)."""
+    """PPO: r = π_a/μ_a beyond 1 − ε_low (A < 0) or 1 + ε_high (A ≥ 0), direction r − 1 (docs/math.md §3)."""
     r = (q.logpi_a - q.mu_a_log).exp()  # [N]
     far = torch.where(q.adv < 0, r < 1.0 - config.eps_low, r > 1.0 + config.eps_high)  # [N] bool
     return _masked(q, far, r - 1.0)
 
 
 def decide_dppo(q: Quantities, config: MaskConfig) -> Decision:
-    """DPPO: D > δ, direction π_a − μ_a, the ratio rule inherited from PPO (MATH.md §3)."""
+    """DPPO: D > δ, direction π_a − μ_a, the ratio rule inherited from PPO (docs/math.md §3)."""
     return _masked(q, _far_by_divergence(q, config), q.ratio_direction)
 
 
 def decide_predictive(q: Quantities, config: MaskConfig) -> Decision:
-    """Predictive: D > δ as dppo, direction P̂, the predicted first-order change of D (MATH.md §3–§4)."""
+    """Predictive: D > δ as dppo, direction P̂, the predicted first-order change of D (docs/math.md §3–§4)."""
     return _masked(q, _far_by_divergence(q, config), q.predicted)
 
 
@@ -172,7 +172,7 @@ def _checked_inputs(
     response_mask: Tensor | None,  # bool [*lead]
 ) -> _Inputs:
     """Refuse inputs the masks cannot mean (ValueError; TypeError for a non-int top_k or float ids),
-    among them a truncated record whose truncation is not replayed (MATH.md §6); flatten the rest."""
+    among them a truncated record whose truncation is not replayed (docs/math.md §6); flatten the rest."""
     lead = sampled_ids.shape
     n, vocab = lead.numel(), logits.shape[-1]
     k = topk_ids.shape[-1]
@@ -186,7 +186,7 @@ def _checked_inputs(
     if truncation_active(top_k, top_p, vocab) and not replay_truncation:
         raise ValueError(
             f"the record was sampled with truncation (top_k={top_k}, top_p={top_p}): its μ is renormalised "
-            "over the kept set, so KL(π‖μ) is infinite and KL(μ‖π) is floored (MATH.md §6). Set "
+            "over the kept set, so KL(π‖μ) is infinite and KL(μ‖π) is floored (docs/math.md §6). Set "
             "MaskConfig(replay_truncation=True) to replay the truncation on π."
         )
     device = logits.device
@@ -225,7 +225,7 @@ def _usable_stats(
     return stats
 
 
-# ---- the vocabulary pass (MATH.md §8) ---------------------------------------------------------------
+# ---- the vocabulary pass (docs/math.md §8) ---------------------------------------------------------------
 
 # The per-token columns the pass fills, [N] each in the working dtype.
 _COLUMNS = ("logpi_a", "divergence", "predicted", "mismatch_kl", "mismatch_tv")
@@ -240,7 +240,8 @@ def _vocab_pass(
     top_p: float | None,
     chunk_tokens: int,
 ) -> dict[str, Tensor]:  # _COLUMNS → [N]
-    """log π_a, D and P̂ of config.divergence, and the top-K mismatch on S, chunk by chunk (MATH.md §2, §4).
+    """log π_a, D and P̂ of config.divergence, and the top-K mismatch on S, chunk by chunk (docs/math.md
+    §2, §4).
 
     With `stats` only the ≤ K+1 logits of S are gathered per token; without, each chunk is processed
     (temperature, replayed truncation) into one reused [chunk_tokens, V] buffer and reduced to its
@@ -297,7 +298,7 @@ def compute_masks(
     vocab_stats: VocabStats
     | None = None,  # from token_logprobs(..., return_stats=True): skips the vocab pass
 ) -> MaskResult:
-    """Trust-region masks of `config.method` (MATH.md §3) for every response token.
+    """Trust-region masks of `config.method` (docs/math.md §3) for every response token.
 
     π = softmax(ℓ / T) (with the record's truncation replayed if `config.replay_truncation`), μ from the
     record: S = topK ∪ {a}, tail as one bucket. Computed under no_grad; nothing here carries gradient.

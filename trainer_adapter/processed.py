@@ -1,4 +1,4 @@
-"""The training policy π as the engine sampled it: temperature and replayed truncation (MATH.md §6).
+"""The training policy π as the engine sampled it: temperature and replayed truncation (docs/math.md §6).
 
 π = softmax(ℓ / T), optionally restricted to the top-k / top-p set exactly as vLLM's sampler builds it
 (temperature first, then top-k, then top-p on the top-k-renormalised distribution). Everything here
@@ -35,7 +35,7 @@ def validate_truncation(top_k: int | None, top_p: float | None) -> None:
 
 @dataclass(frozen=True)
 class VocabStats:
-    """Per-token full-vocabulary reductions of π, computed once and shareable (MATH.md §8).
+    """Per-token full-vocabulary reductions of π, computed once and shareable (docs/math.md §8).
 
     `token_logprobs(..., return_stats=True)` returns them so that `compute_masks(..., vocab_stats=...)`
     needs no second pass over the vocabulary. Valid only for the same logits, temperature and truncation.
@@ -102,7 +102,7 @@ def softmax_stats(
     x: Tensor,  # [c, V] processed logits (not modified unless `out` is x)
     out: Tensor,  # [c, V] receives π; may be x itself
 ) -> tuple[Tensor, Tensor]:  # lse [c], sum_sq [c] = Σ_V π²
-    """π = softmax(x) with one fused kernel, plus logsumexp and Σ π² from it (MATH.md §8): the
+    """π = softmax(x) with one fused kernel, plus logsumexp and Σ π² from it (docs/math.md §8): the
     largest π is exp(max x − lse) ≥ 1/V, so lse = max x − log max π never underflows."""
     m = x.amax(dim=-1)  # [c], read before `out` may overwrite x
     torch.softmax(x, dim=-1, out=out)

@@ -1,4 +1,4 @@
-"""Full-vocabulary divergences, their exact P, and direction-agreement scoring (MATH.md §2, §4, §7).
+"""Full-vocabulary divergences, their exact P, and direction-agreement scoring (docs/math.md §2, §4, §7).
 
 Diagnostics and tests only: these need the full μ, which a rollout never carries, and they
 materialise [N, V] tensors. Inputs are normalised log-distributions (−inf allowed for zero mass).
@@ -79,7 +79,7 @@ def direction_agreement(
     pair: tuple[str, str] = ("ratio", "predictive"),  # the two rules whose disagreement set is scored
     response_mask: Tensor | None = None,  # [N] bool
 ) -> dict[str, dict[str, float]]:
-    """Score each rule's predicted sign of ΔD against the realised ΔD after a real step (MATH.md §7).
+    """Score each rule's predicted sign of ΔD against the realised ΔD after a real step (docs/math.md §7).
 
     Per rule: agree_all / agree_far / agree_disagreement (far tokens where the two `pair` rules predict
     differently), unsafe_keep = P(ΔD > 0 | kept ∧ far), wrong_mask = P(ΔD < 0 | masked). Tokens with

@@ -107,7 +107,7 @@ def hf_models():
 def trainer_mu(
     model, prompt: list[int], completion: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0
 ) -> torch.Tensor:  # float64 [T, V] processed log μ
-    """One forward over prompt + completion, then temperature and the truncation replayed (MATH.md §6)."""
+    """One forward over prompt + completion, then temperature and truncation replayed (docs/math.md §6)."""
     ids = torch.tensor([[*prompt, *completion.tolist()]])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) + len(completion) - 1]  # [T, V]

@@ -1,4 +1,4 @@
-"""An independent float64 reference of MATH.md, written straight from its formulas.
+"""An independent float64 reference of docs/math.md, written straight from its formulas.
 
 numpy only, one token at a time, on full [V] vectors: nothing here imports maskroll, shares code with
 it or is clever. The package's vectorised, chunked torch code is compared against this on random

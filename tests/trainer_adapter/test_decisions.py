@@ -1,4 +1,4 @@
-"""The per-method decision table of compute_masks (MATH.md §3), on quantities set by hand.
+"""The per-method decision table of compute_masks (docs/math.md §3), on quantities set by hand.
 
 Seven tokens, thresholds ε = 0.2 / 0.28 and δ_low = 0.05 (A < 0) / δ_high = 0.09 (A ≥ 0):
 

@@ -1,4 +1,4 @@
-"""Central finite differences (float64) of every closed form of MATH.md §4.
+"""Central finite differences (float64) of every closed form of docs/math.md §4.
 
 The step is the idealised one of §4: free logits z = ℓ/T move along z' = z + τ(e_a − π), and
 P = dD/dτ at τ = 0. D is always evaluated by the package itself (res.divergence, full_*), so these
