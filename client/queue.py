@@ -1,12 +1,18 @@
-"""RolloutQueue: the trainer's side of the Redis Streams rollout queue (ARCHITECTURE.md flows 2, 3, 5).
+"""RolloutQueue: the trainer's side of the Redis Streams rollout queue (docs/architecture.md flows 2, 3, 6).
 
 submit() puts prompt jobs on the prompt stream (replicas pull them); next_batch() / batches() read
 finished records from the rollout stream through one consumer group, and ack() confirms them after the
 optimiser step: at-least-once delivery, and a trainer that dies before acking leaves its records
-pending for the next one (XAUTOCLAIM after `claim_idle_s`). This module owns that Redis conversation;
-what to admit (admission.py), how records become batches (batching.py), the stream layout
-(streams.py), the connection policy (redis_conn.py) and the replicas (replicas.py) live next to it.
-The async class is the implementation; the sync `RolloutQueue` runs it on a private event loop.
+pending for the next one (XAUTOCLAIM after `claim_idle_s`). Every record read is checked before it is
+batched: one that does not decode, fails a semantic check, belongs to another run or comes from a
+policy version this trainer has not reached is dead-lettered with the reason and counted — never
+trained on, and never raised out of next_batch. A queue belongs to one training run (runs.py): opened
+as a new run or resuming the namespace's current one, never silently both.
+
+This module owns that Redis conversation; what to admit (admission.py), how records become batches and
+which are refused (batching.py), the run (runs.py), the stream layout (streams.py), the connection
+policy (redis_conn.py) and the replicas (replicas.py) live next to it. The async class is the
+implementation; the sync `RolloutQueue` runs it on a private event loop.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, TypeVar
 
@@ -25,11 +32,13 @@ import numpy as np
 from . import wire
 from ._sync import LoopThread
 from .admission import InFlight, QueueFull, in_flight_limit
-from .batching import Entry, GroupBatcher
+from .batching import Entry, GroupBatcher, RefusalKind, group_key, refusal
 from .records import PromptJob, RolloutRecord, SamplingOptions
 from .redis_conn import QueueUnavailable, call, connect
-from .replicas import ReplicaInfo, live_replicas
+from .replicas import BroadcastError, ReplicaInfo, ReplicaWeights, live_replicas, replica_weights
 from .replicas import broadcast_weights as _broadcast_weights
+from .replicas import push_weights as _push_weights
+from .runs import RunChoiceRequired, RunInfo, RunMode, RunNotFound, RunSuperseded, advance, open_run, read_run
 from .streams import (
     F_JOB,
     F_JOB_ERROR,
@@ -40,17 +49,24 @@ from .streams import (
     StreamKeys,
     ack_and_delete,
     dead_letter,
+    delete_undelivered,
     ensure_group,
 )
+from .tensor_push import WeightsManifest
 
 __all__ = [
     "AsyncRolloutQueue",
+    "BroadcastError",
     "QueueFull",
     "QueueStats",
     "QueueTimeout",
     "QueueUnavailable",
     "ReplicaInfo",
     "RolloutQueue",
+    "RunChoiceRequired",
+    "RunInfo",
+    "RunNotFound",
+    "RunSuperseded",
     "StalePolicy",
 ]
 
@@ -61,12 +77,18 @@ T = TypeVar("T")
 
 
 class QueueTimeout(TimeoutError):
-    """No complete batch arrived within the timeout."""
+    """No complete batch arrived within the timeout (the message says what the queue saw meanwhile)."""
 
 
 @dataclass
 class QueueStats:
-    """Counters of one queue object since it was created (rollouts unless the name says jobs)."""
+    """Counters of one queue object since it was created (rollouts unless the name says jobs or groups).
+
+    dead_lettered counts every entry set aside, of which: invalid (undecodable, or failing a semantic
+    check), foreign_run (another run's, or no run id), future_version (from a policy version this trainer
+    has not reached), and the records of expired_groups (groups still incomplete after group_timeout_s).
+    cancelled_jobs: prompt jobs deleted before any replica started them (cancel_pending_jobs, or the
+    older runs' jobs when a new run starts)."""
 
     submitted_jobs: int = 0
     submitted_rollouts: int = 0
@@ -75,7 +97,12 @@ class QueueStats:
     duplicates: int = 0
     dropped_stale: int = 0
     dead_lettered: int = 0
+    invalid: int = 0
+    foreign_run: int = 0
+    future_version: int = 0
+    expired_groups: int = 0
     failed_jobs: int = 0
+    cancelled_jobs: int = 0
     reclaimed: int = 0
 
 
@@ -84,16 +111,21 @@ def _default_consumer() -> str:
 
 
 class AsyncRolloutQueue:
-    """The trainer's queue client for one namespace (one training run); `async with` or close().
+    """The trainer's queue client for one namespace and one training run; `async with` or open() / close().
 
-    url: redis:// or rediss:// URL (password and TLS from the URL). consumer: this trainer's name in
-    the consumer group; a restarted trainer with the same name first re-reads its own unacked records.
-    batch_size, max_staleness: defaults of next_batch(), and together the in-flight limit of submit().
-    stale_policy: "drop" acks and discards records older than max_staleness versions, "keep" trains on
-    them. claim_idle_s: records another trainer read and left unacked this long are taken over.
-    done_ttl_s: how long acked rollout ids are remembered in Redis to catch late duplicates.
-    token, tls, root_certs: how broadcast_weights() reaches the replicas' gRPC. retries: Redis retry
-    attempts before QueueUnavailable (see redis_conn.connect).
+    url: redis:// or rediss:// URL (password and TLS from the URL). run: "new" starts a new run on the
+    namespace (a new run id; the older runs' unstarted prompt jobs are cancelled and their records
+    refused); "resume" continues the namespace's current run from its last published version; None
+    (the default) starts a run only on a namespace that has none, and raises RunChoiceRequired on one
+    that has — the choice is never made silently. consumer: this trainer's name in the consumer group; a
+    restarted trainer with the same name first re-reads its own unacked records. batch_size,
+    max_staleness: defaults of next_batch(), and together the in-flight limit of submit(). stale_policy:
+    "drop" acks and discards records older than max_staleness versions, "keep" trains on them.
+    claim_idle_s: records another trainer read and left unacked this long are taken over.
+    group_timeout_s: a group still missing samples this long after its first record arrived (with
+    nothing more to read) is dead-lettered. done_ttl_s: how long acked rollout ids are remembered in
+    Redis to catch late duplicates. token, tls, root_certs: how the replicas' gRPC is reached (weights).
+    retries: Redis retry attempts before QueueUnavailable (see redis_conn.connect).
     """
 
     def __init__(
@@ -101,11 +133,13 @@ class AsyncRolloutQueue:
         url: str,
         namespace: str = "default",
         *,
+        run: RunMode | None = None,
         consumer: str | None = None,
         batch_size: int | None = None,
         max_staleness: int | None = None,
         stale_policy: StalePolicy = "drop",
         claim_idle_s: float = 60.0,
+        group_timeout_s: float = 300.0,
         done_ttl_s: float = 7 * 86400,
         token: str | None = None,
         tls: bool = False,
@@ -114,6 +148,12 @@ class AsyncRolloutQueue:
     ) -> None:
         if stale_policy not in ("drop", "keep"):
             raise ValueError(f"stale_policy={stale_policy!r}; expected 'drop' or 'keep'")
+        if run not in (None, "new", "resume"):
+            raise ValueError(
+                f"run={run!r}; expected 'new', 'resume' or None (new only on an empty namespace)"
+            )
+        if not group_timeout_s > 0:
+            raise ValueError(f"group_timeout_s={group_timeout_s}; expected > 0")
         self.url = url
         self.keys = StreamKeys(namespace)
         self.consumer = consumer or _default_consumer()
@@ -121,33 +161,90 @@ class AsyncRolloutQueue:
         self.max_staleness = max_staleness
         self.stale_policy = stale_policy
         self.claim_idle_ms = int(claim_idle_s * 1000)
+        self.group_timeout_s = group_timeout_s
         self.done_ttl_ms = int(done_ttl_s * 1000)
         self.token = token
         self._tls = {"tls": tls, "root_certs": root_certs}
         self.policy_version = 0
         self.stats = QueueStats()
         self._r = connect(url, retries=retries)
+        self._run_mode = run
+        self._run: RunInfo | None = None
+        self._old_runs: set[str] = set()  # run ids confirmed not to be the namespace's current run
         self._ready_groups = False
         self._own_pending_read = False
         self._next_claim = 0.0
         self._flight = InFlight()
         self._batcher = GroupBatcher()
+        self._job_entries: dict[str, bytes] = {}  # job_id -> its prompt-stream entry, while in flight
+        self._refused: Counter[str] = Counter()  # records refused, by kind (for logs and timeouts)
+        self._reported: Counter[str] = Counter()  # what _report_refused has logged of it
 
-    # ---- lifecycle ------------------------------------------------------------------------------
+    # ---- lifecycle and the run ------------------------------------------------------------------
 
-    async def _groups_exist(self) -> None:
+    async def open(self) -> AsyncRolloutQueue:
+        """Create the consumer groups and take up the run (new or resumed); `async with` and the first
+        call do this too. Raises RunChoiceRequired / RunNotFound (see the class docstring)."""
         if not self._ready_groups:
             await self._call(ensure_group(self._r, self.keys.rollouts, TRAINER_GROUP))
             await self._call(ensure_group(self._r, self.keys.prompts, REPLICA_GROUP))
             self._ready_groups = True
+        if self._run is None:
+            run, new = await self._call(open_run(self._r, self.keys, self._run_mode, self.consumer))
+            self._run, self.policy_version = run, run.version
+            if new:
+                # Jobs no replica has started belong to older runs: their records would only be refused.
+                cancelled = await self._call(delete_undelivered(self._r, self.keys.prompts, REPLICA_GROUP))
+                self.stats.cancelled_jobs += len(cancelled)
+                log.info(
+                    "namespace %r: started run %s (%d unstarted jobs of earlier runs cancelled)",
+                    self.keys.namespace,
+                    run.run_id,
+                    len(cancelled),
+                )
+            else:
+                log.info("namespace %r: resuming %s", self.keys.namespace, run.describe())
+        return self
 
-    async def close(self) -> None:
-        """Close the Redis connection; unacked records stay pending for this consumer name."""
-        await self._r.aclose()
+    @property
+    def run(self) -> RunInfo:
+        """The run this queue belongs to: id, last published version and its checkpoint."""
+        if self._run is None:
+            raise RuntimeError("the queue is not open yet: `async with` it or `await q.open()` first")
+        return self._run
+
+    @property
+    def run_id(self) -> str:
+        """This trainer's run id: stamped on every job submitted, required on every record trained on."""
+        return self.run.run_id
+
+    async def cancel_pending_jobs(self) -> int:
+        """Delete the prompt jobs this queue submitted that no replica has started yet, and free their
+        in-flight room; returns how many. Started jobs run on (their records arrive as usual)."""
+        if not self._job_entries:
+            return 0
+        by_entry = {entry: job for job, entry in self._job_entries.items()}
+        deleted = await self._call(
+            delete_undelivered(self._r, self.keys.prompts, REPLICA_GROUP, list(by_entry))
+        )
+        for entry in deleted:
+            job = by_entry[entry]
+            await self._consumed(job, self._flight.expected(job))
+            self._job_entries.pop(job, None)
+        self.stats.cancelled_jobs += len(deleted)
+        return len(deleted)
+
+    async def close(self, cancel_jobs: bool = False) -> None:
+        """Close the Redis connection; unacked records stay pending for this consumer name.
+        cancel_jobs: first cancel the submitted jobs no replica has started (cancel_pending_jobs)."""
+        try:
+            if cancel_jobs and self._run is not None:
+                await self.cancel_pending_jobs()
+        finally:
+            await self._r.aclose()
 
     async def __aenter__(self) -> AsyncRolloutQueue:
-        await self._groups_exist()
-        return self
+        return await self.open()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
@@ -164,7 +261,7 @@ class AsyncRolloutQueue:
 
     @property
     def in_flight(self) -> int:
-        """Rollouts submitted by this queue and not yet acked, dropped or failed."""
+        """Rollouts submitted by this queue and not yet acked, dropped, failed or cancelled."""
         return self._flight.count
 
     def room(self) -> int | None:
@@ -186,7 +283,7 @@ class AsyncRolloutQueue:
         """Queue one prompt for `n` samples (default options.n); returns the job id. Blocks while the
         in-flight limit is reached; raises QueueFull after `timeout` seconds (None: wait forever).
         group_id, metadata: carried into every record. rollout_stream: publish the records there
-        instead of this namespace's rollout stream."""
+        instead of this namespace's rollout stream. The job carries this queue's run id."""
         options = options or SamplingOptions()
         if n is not None:
             options = replace(options, n=n)
@@ -202,7 +299,7 @@ class AsyncRolloutQueue:
                 f"n={options.n} exceeds the in-flight limit {limit} = (max_staleness + 1) × batch_size"
             )
         await self._flight.wait_for_room(options.n, limit, timeout)
-        await self._groups_exist()
+        await self.open()
         job = PromptJob(
             job_id=job_id or uuid.uuid4().hex,
             prompt_ids=prompt,
@@ -211,18 +308,30 @@ class AsyncRolloutQueue:
             metadata=metadata or {},
             submitted_at=time.time(),
             rollout_stream=rollout_stream,
+            run_id=self.run_id,
         )
         # No MAXLEN on the prompt stream: unconsumed jobs must never be trimmed; admission bounds it.
-        await self._call(self._r.xadd(self.keys.prompts, {F_JOB: wire.job_to_pb(job).SerializeToString()}))
+        entry = await self._call(
+            self._r.xadd(self.keys.prompts, {F_JOB: wire.job_to_pb(job).SerializeToString()})
+        )
         self._flight.submitted(job.job_id, options.n)
+        self._job_entries[job.job_id] = entry
         self.stats.submitted_jobs += 1
         self.stats.submitted_rollouts += options.n
         return job.job_id
 
+    async def _consumed(self, job_id: str, count: int) -> None:
+        """`count` rollouts of `job_id` left the queue (acked, dropped, failed, expired, cancelled)."""
+        await self._flight.consumed(job_id, count)
+        if not self._flight.expected(job_id):
+            self._job_entries.pop(job_id, None)
+
     # ---- consumption -----------------------------------------------------------------------------
 
     def set_policy_version(self, version: int) -> None:
-        """The version the trainer is at now; staleness = this − a record's first-token version."""
+        """The version the trainer is at now: staleness = this − a record's first-token version, and a
+        record from a newer version is refused. broadcast_weights() sets it; call this only if your
+        trainer moves weights to the replicas by other means."""
         self.policy_version = int(version)
 
     def _drops(self, rec: RolloutRecord) -> bool:
@@ -238,15 +347,18 @@ class AsyncRolloutQueue:
     ) -> list[RolloutRecord]:
         """The next batch of whole groups (≥ batch_size records, oldest groups first). batch_size and
         max_staleness, when given, also become the defaults (and the in-flight limit). Raises
-        QueueTimeout after `timeout` s (None: wait forever)."""
+        QueueTimeout after `timeout` s (None: wait forever), saying what it saw meanwhile; RunSuperseded
+        once another trainer has started a new run on the namespace. A bad or foreign record never
+        raises: it is dead-lettered and counted in `stats`."""
         batch_size = batch_size or self.batch_size
         if not batch_size or batch_size < 1:
             raise ValueError("batch_size must be given (here or to the constructor) and >= 1")
         self.batch_size = batch_size
         if max_staleness is not None:
             self.max_staleness = max_staleness
-        await self._groups_exist()
+        await self.open()
         deadline = None if timeout is None else time.monotonic() + timeout
+        refused_before = Counter(self._refused)
         while True:
             batch, dropped = self._batcher.take(batch_size, self._drops)
             for job_id, ids in dropped.items():
@@ -255,13 +367,12 @@ class AsyncRolloutQueue:
                 return batch
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise QueueTimeout(
-                    f"no batch of {batch_size} rollouts within {timeout} s "
-                    f"({self._batcher.buffered} buffered in incomplete groups)"
-                )
-            await self._read(
+                raise await self._timeout_error(batch_size, timeout, self._refused - refused_before)
+            read = await self._read(
                 batch_size, 1000 if remaining is None else max(1, min(1000, int(remaining * 1000)))
             )
+            if not read:  # nothing more to read: an incomplete group now waits only for a re-run
+                await self._expire_groups()
 
     async def batches(
         self, batch_size: int | None = None, max_staleness: int | None = None, timeout: float | None = None
@@ -270,14 +381,58 @@ class AsyncRolloutQueue:
         while True:
             yield await self.next_batch(batch_size, max_staleness, timeout)
 
-    async def _read(self, batch_size: int, block_ms: int) -> None:
+    async def _timeout_error(self, batch_size: int, timeout: float | None, refused: Counter) -> Exception:
+        """What a trainer needs to know when no batch came: replicas alive, what was refused meanwhile."""
+        current = await self._call(read_run(self._r, self.keys))
+        if current is None or current.run_id != self.run_id:
+            return self._superseded(current)
+        reps = await self.replicas()
+        parts = [f"no batch of {batch_size} rollouts within {timeout} s"]
+        parts.append(f"{self._batcher.buffered} buffered in incomplete groups")
+        if not reps:
+            parts.append(
+                f"0 live replicas in namespace {self.keys.namespace!r} (start `maskroll serve --pull "
+                f"--namespace {self.keys.namespace}` on the same Redis)"
+            )
+        else:
+            parts.append(
+                f"{len(reps)} live replicas at policy versions {sorted({r.policy_version for r in reps})}"
+            )
+        if refused:
+            what = {
+                "invalid": "invalid",
+                "foreign_run": "of another run or none",
+                "future_version": f"from policy versions ahead of this trainer's {self.policy_version}",
+            }
+            parts.append(
+                "dead-lettered meanwhile: "
+                + ", ".join(f"{n} {what[k]}" for k, n in sorted(refused.items()))
+                + f" (reasons in the stream {self.keys.dead_letters})"
+            )
+            if refused.get("future_version"):
+                parts.append(
+                    "replicas serve weights this run has not published: CheckpointPublisher.start(model) "
+                    "(or broadcast_weights) makes them load this run's"
+                )
+        return QueueTimeout("; ".join(parts))
+
+    def _superseded(self, current: RunInfo | None) -> RunSuperseded:
+        now = current.describe() if current else "no run (its record was deleted)"
+        return RunSuperseded(
+            f"namespace {self.keys.namespace!r} now belongs to {now}, not to this trainer's run "
+            f"{self.run_id}: another trainer started a new run; stop this one"
+        )
+
+    async def _read(self, batch_size: int, block_ms: int) -> int:
+        """One read (own pending entries first, then reclaimed ones, then new ones); returns entries read."""
         r, keys = self._r, self.keys
         if not self._own_pending_read:
             # our own unacked entries from a previous life of this consumer name
             resp = await self._call(r.xreadgroup(TRAINER_GROUP, self.consumer, {keys.rollouts: "0"}))
             self._own_pending_read = True
-            await self._ingest(resp[0][1] if resp else [])
-            return
+            entries = resp[0][1] if resp else []
+            await self._ingest(entries)
+            return max(1, len(entries))  # the new entries are still to be read
         if time.monotonic() >= self._next_claim:
             self._next_claim = time.monotonic() + max(0.5, self.claim_idle_ms / 4000)
             _, claimed, *_ = await self._call(
@@ -289,13 +444,15 @@ class AsyncRolloutQueue:
             if claimed:
                 self.stats.reclaimed += len(claimed)
                 await self._ingest(claimed)
-                return
+                return len(claimed)
         resp = await self._call(
             r.xreadgroup(
                 TRAINER_GROUP, self.consumer, {keys.rollouts: ">"}, count=2 * batch_size, block=block_ms
             )
         )
-        await self._ingest(resp[0][1] if resp else [])
+        entries = resp[0][1] if resp else []
+        await self._ingest(entries)
+        return len(entries)
 
     async def _ingest(self, entries: list) -> None:
         fresh: list[Entry] = []
@@ -304,32 +461,101 @@ class AsyncRolloutQueue:
                 await self._call(self._r.xack(self.keys.rollouts, TRAINER_GROUP, entry_id))
                 continue
             if F_RECORD in fields:
-                try:
-                    fresh.append((entry_id, wire.decode_record(fields[F_RECORD])))
-                except wire.WireError as e:
-                    await self._dead_letter(entry_id, fields, str(e))
+                rec = await self._admit(entry_id, fields)
+                if rec is not None:
+                    fresh.append((entry_id, rec))
             elif F_JOB_ERROR in fields:
                 await self._job_failed(entry_id, fields)
             else:
-                await self._dead_letter(entry_id, fields, f"unknown fields {sorted(fields)}")
+                await self._dead_letter(entry_id, fields, f"unknown fields {sorted(fields)}", "invalid")
+        self._report_refused()
         if not fresh:
             return
         flags = await self._call(self._r.zmscore(self.keys.done, [rec.rollout_id for _, rec in fresh]))
+        now = time.monotonic()
         for (entry_id, rec), ack_time in zip(fresh, flags, strict=True):
-            verdict = self._batcher.offer(entry_id, rec, acked=ack_time is not None, drop=self._drops(rec))
+            verdict = self._batcher.offer(
+                entry_id, rec, acked=ack_time is not None, drop=self._drops(rec), now=now
+            )
             if verdict == "duplicate":
                 self.stats.duplicates += 1
                 await self._finish([entry_id])
+            elif verdict == "expired":
+                reason = (
+                    f"a late sample of group {group_key(rec)}, which was closed incomplete "
+                    "(it expired, or another of its samples was refused)"
+                )
+                await self._dead_letter(entry_id, {F_RECORD: wire.encode_record(rec)}, reason, None)
+                await self._consumed(rec.job_id, 1)
             elif verdict in ("kept", "drop"):
                 self.stats.received += 1
                 if verdict == "drop":
-                    await self._drop(rec.job_id, self._batcher.drop(rec.job_id, [(entry_id, rec)]))
+                    key = group_key(rec)
+                    await self._drop(key, self._batcher.drop(key, [(entry_id, rec)]))
+
+    async def _admit(self, entry_id: bytes, fields: dict) -> RolloutRecord | None:
+        """The decoded record if this trainer may train on it; otherwise it is dead-lettered (None)."""
+        try:
+            rec = wire.decode_record(fields[F_RECORD])
+        except wire.WireError as e:
+            await self._dead_letter(entry_id, fields, str(e), "invalid")
+            return None
+        why = refusal(rec, run_id=self.run_id, policy_version=self.policy_version)
+        if why is None:
+            return rec
+        kind, reason = why
+        if kind == "foreign_run" and rec.run_id and rec.run_id not in self._old_runs:
+            # Another run's record: an older run's leftover, unless that run has replaced ours.
+            current = await self._call(read_run(self._r, self.keys))
+            if current is None or current.run_id != self.run_id:
+                raise self._superseded(current)  # the entry stays pending for the new run's trainer
+            self._old_runs.add(rec.run_id)
+        await self._dead_letter(entry_id, fields, reason, kind)
+        await self._consumed(rec.job_id, 1)
+        if rec.group_size > 1:  # the rest of its group can never be whole: set it aside now, not at expiry
+            key = group_key(rec)
+            for other_id, other in self._batcher.close(key):
+                why = f"another sample of group {key} was refused: {reason}"
+                await self._dead_letter(
+                    other_id, {F_RECORD: wire.encode_record(other)}, why, None, warn=False
+                )
+                await self._consumed(other.job_id, 1)
+        return None
+
+    def _report_refused(self) -> None:
+        """One warning per read for the records refused in it (a new run may refuse thousands)."""
+        new = self._refused - self._reported
+        if new:
+            log.warning(
+                "namespace %r, run %s at version %d: dead-lettered %s (reasons in %s)",
+                self.keys.namespace,
+                self.run_id,
+                self.policy_version,
+                dict(new),
+                self.keys.dead_letters,
+            )
+            self._reported = Counter(self._refused)
+
+    async def _expire_groups(self) -> None:
+        """Dead-letter the groups still incomplete group_timeout_s after their first record arrived."""
+        for key, entries in self._batcher.expire(time.monotonic(), self.group_timeout_s).items():
+            size = entries[0][1].group_size
+            reason = (
+                f"group {key} incomplete: {len(entries)} of {size} samples after {self.group_timeout_s:g} s"
+            )
+            log.warning("namespace %r: %s; dead-lettered", self.keys.namespace, reason)
+            for entry_id, rec in entries:
+                await self._dead_letter(
+                    entry_id, {F_RECORD: wire.encode_record(rec)}, reason, None, warn=False
+                )
+            self.stats.expired_groups += 1
+            await self._consumed(entries[0][1].job_id, self._flight.expected(entries[0][1].job_id))
 
     async def _drop(self, job_id: str, entry_ids: list[bytes]) -> None:
         """Stale records: ack and delete them untrained, and free their room."""
         await self._finish(entry_ids)
         self.stats.dropped_stale += len(entry_ids)
-        await self._flight.consumed(job_id, len(entry_ids))
+        await self._consumed(job_id, len(entry_ids))
 
     async def _finish(self, entry_ids: list[bytes]) -> None:
         if entry_ids:
@@ -337,23 +563,43 @@ class AsyncRolloutQueue:
             ack_and_delete(pipe, self.keys.rollouts, TRAINER_GROUP, *entry_ids)
             await self._call(pipe.execute())
 
-    async def _dead_letter(self, entry_id: bytes, fields: dict, reason: str) -> None:
+    async def _dead_letter(
+        self,
+        entry_id: bytes,
+        fields: dict,
+        reason: str,
+        kind: RefusalKind | None,
+        *,
+        warn: bool | None = None,
+    ) -> None:
         await self._call(
-            dead_letter(self._r, self.keys, self.keys.rollouts, TRAINER_GROUP, entry_id, fields, reason)
+            dead_letter(
+                self._r,
+                self.keys,
+                self.keys.rollouts,
+                TRAINER_GROUP,
+                entry_id,
+                fields,
+                reason,
+                warn=kind == "invalid" if warn is None else warn,  # the others are reported per read
+            )
         )
         self.stats.dead_lettered += 1
+        if kind is not None:
+            setattr(self.stats, kind, getattr(self.stats, kind) + 1)
+            self._refused[kind] += 1
 
     async def _job_failed(self, entry_id: bytes, fields: dict) -> None:
         try:
             job = wire.decode_job(fields[F_JOB_ERROR])
         except wire.WireError:  # a broken failure notice is itself dead-lettered
-            await self._dead_letter(entry_id, fields, "undecodable job_error")
+            await self._dead_letter(entry_id, fields, "undecodable job_error", "invalid")
             return
         reason = fields.get(F_REASON, b"").decode(errors="replace")
         log.warning("job %s failed on a replica: %s", job.job_id, reason)
         self.stats.failed_jobs += 1
         await self._finish([entry_id])
-        await self._flight.consumed(job.job_id, self._flight.expected(job.job_id))
+        await self._consumed(job.job_id, self._flight.expected(job.job_id))
 
     async def ack(self, batch: Sequence[RolloutRecord]) -> None:
         """Confirm a trained batch: XACK + XDEL and the `done` markers, in one transaction. Records
@@ -376,7 +622,7 @@ class AsyncRolloutQueue:
         self._batcher.acked(batch)
         self.stats.acked += len(ids)
         for job_id, count in per_job.items():
-            await self._flight.consumed(job_id, count)
+            await self._consumed(job_id, count)
 
     # ---- replicas and weights (replicas.py) ------------------------------------------------------
 
@@ -384,46 +630,147 @@ class AsyncRolloutQueue:
         """Live replicas of this namespace: those whose heartbeat key has not expired."""
         return await self._call(live_replicas(self._r, self.keys))
 
+    async def replica_weights(self, timeout: float = 10.0) -> dict[str, ReplicaWeights | str]:
+        """What each live replica serves now, asked over gRPC (GetInfo): {replica_id: ReplicaWeights(run_id,
+        version) | "<error>"}."""
+        return await replica_weights(await self.replicas(), timeout=timeout, token=self.token, **self._tls)
+
     async def broadcast_weights(
         self, version: int, checkpoint_dir: str, timeout: float = 120.0
     ) -> dict[str, str]:
-        """UpdateWeights on every live replica concurrently, each bounded by `timeout`. Returns
-        {replica_id: "ok" | error}; the trainer's declared version becomes `version` either way."""
-        reps = await self.replicas()
-        results = await _broadcast_weights(
-            reps, version, checkpoint_dir, timeout=timeout, token=self.token, **self._tls
+        """Publish `version` of this run: record it (with `checkpoint_dir`) as the run's latest, make it
+        the trainer's policy version, then UpdateWeights on every live replica concurrently, each
+        bounded by `timeout`. Returns {replica_id: "ok" | "unchanged" | error} and logs the replicas left
+        behind; raises BroadcastError when no live replica loaded it (none alive included),
+        RunSuperseded when another trainer started a new run, ValueError when `version` does not move
+        the run forward (0 may be published while the run is at 0: its starting weights)."""
+        await self.open()
+        await self._call(advance(self._r, self.keys, self.run_id, version, str(checkpoint_dir)))
+        self._run = replace(
+            self.run, version=int(version), checkpoint=str(checkpoint_dir), updated_at=time.time()
         )
-        self.set_policy_version(version)
-        return results
+        self.set_policy_version(version)  # before the replicas load it: their records must not be "future"
+        return await self._load_everywhere(version, str(checkpoint_dir), timeout, skip_current=version == 0)
+
+    async def sync_replicas(self, timeout: float = 120.0) -> dict[str, str]:
+        """Make every live replica serve this run's current version (after a resume, or when replicas
+        joined or were restarted): those already serving it are left alone ("unchanged"), the others
+        load the run's recorded checkpoint — a replica serving another run reloads. Raises BroadcastError
+        when no live replica serves it afterwards; ValueError when the run has published nothing yet."""
+        await self.open()
+        run = self.run
+        if not run.checkpoint:
+            raise ValueError(
+                f"run {run.run_id} has published no weights yet (version {run.version}, no checkpoint): "
+                "publish its starting weights first (CheckpointPublisher.start(model))"
+            )
+        return await self._load_everywhere(run.version, run.checkpoint, timeout, skip_current=True)
+
+    async def push_weights(
+        self,
+        version: int,
+        manifest: WeightsManifest,
+        chunks: Callable[[], Iterable[tuple[int, int, bytes | memoryview]]],
+        timeout: float = 120.0,
+        *,
+        record: str | None = "stream",
+    ) -> dict[str, str]:
+        """Publish `version` with the tensors in the call (PushWeights: no shared filesystem), to every
+        live replica concurrently, each bounded by `timeout`; `chunks()` yields (tensor index, offset,
+        bytes) in `manifest` order and is called once per replica. `record` is what the run record's
+        `checkpoint` says (how a replica that joins later gets this version, docs/records.md "Runs").
+        record=None re-sends the run's current version to the live replicas that do not serve it (joined
+        or restarted since) and records nothing; it raises nothing when every replica is current.
+        Results and errors as `broadcast_weights`."""
+        await self.open()
+        if record is not None:
+            await self._call(advance(self._r, self.keys, self.run_id, version, record))
+            self._run = replace(self.run, version=int(version), checkpoint=record, updated_at=time.time())
+            self.set_policy_version(version)  # before the replicas load it, as broadcast_weights
+        manifest = replace(manifest, version=int(version), run_id=self.run_id)
+
+        async def send(reps: list[ReplicaInfo]) -> dict[str, str]:
+            return await _push_weights(reps, manifest, chunks, timeout=timeout, token=self.token, **self._tls)
+
+        if record is None:
+            return await self._load_everywhere(version, "", timeout, skip_current=True, send=send, quiet=True)
+        return await self._load_everywhere(version, "", timeout, skip_current=version == 0, send=send)
+
+    async def _load_everywhere(
+        self,
+        version: int,
+        checkpoint_dir: str,
+        timeout: float,
+        *,
+        skip_current: bool,
+        send: Callable[[list[ReplicaInfo]], Awaitable[dict[str, str]]] | None = None,
+        quiet: bool = False,
+    ) -> dict[str, str]:
+        """quiet: a catch-up (PushWeights of the current version): no live replica, or every one
+        current, is not an error."""
+        reps = await self.replicas()
+        results: dict[str, str] = {}
+        if skip_current:  # re-announcing a version: a replica serving it would refuse "not greater"
+            serving = await replica_weights(reps, timeout=min(timeout, 10.0), token=self.token, **self._tls)
+            current = {r for r, w in serving.items() if w == ReplicaWeights(self.run_id, version)}
+            results = {r: "unchanged" for r in current}
+            reps = [rep for rep in reps if rep.replica_id not in current]
+        if send is not None:
+            results.update(await send(reps))
+        else:
+            results.update(
+                await _broadcast_weights(
+                    reps,
+                    version,
+                    checkpoint_dir,
+                    run_id=self.run_id,
+                    timeout=timeout,
+                    token=self.token,
+                    **self._tls,
+                )
+            )
+        failed = {r: e for r, e in results.items() if e not in ("ok", "unchanged")}
+        if quiet and (not results or not failed):
+            return dict(sorted(results.items()))
+        if not results or len(failed) == len(results):
+            raise BroadcastError(version, results, self.keys.namespace)
+        if failed:
+            log.warning("policy version %d of run %s: replicas behind: %s", version, self.run_id, failed)
+        return dict(sorted(results.items()))
 
 
 class RolloutQueue:
     """Synchronous facade over AsyncRolloutQueue: the same arguments and behaviour, each call run on a
-    private event loop thread. Use as a context manager or call close()."""
+    private event loop thread. The run is taken up when it is constructed (RunChoiceRequired /
+    RunNotFound surface there). Use as a context manager or call close()."""
 
     def __init__(
         self,
         url: str,
         namespace: str = "default",
         *,
+        run: RunMode | None = None,
         consumer: str | None = None,
         batch_size: int | None = None,
         max_staleness: int | None = None,
         stale_policy: StalePolicy = "drop",
         claim_idle_s: float = 60.0,
+        group_timeout_s: float = 300.0,
         done_ttl_s: float = 7 * 86400,
         token: str | None = None,
         tls: bool = False,
         root_certs: bytes | None = None,
         retries: int = 10,
     ) -> None:
-        """See AsyncRolloutQueue for what each argument means."""
+        """See AsyncRolloutQueue for what each argument means; run="new" | "resume" | None above all."""
         kwargs = dict(
+            run=run,
             consumer=consumer,
             batch_size=batch_size,
             max_staleness=max_staleness,
             stale_policy=stale_policy,
             claim_idle_s=claim_idle_s,
+            group_timeout_s=group_timeout_s,
             done_ttl_s=done_ttl_s,
             token=token,
             tls=tls,
@@ -440,7 +787,12 @@ class RolloutQueue:
 
     @staticmethod
     async def _make(url: str, namespace: str, kwargs: dict) -> AsyncRolloutQueue:
-        return AsyncRolloutQueue(url, namespace, **kwargs)
+        q = AsyncRolloutQueue(url, namespace, **kwargs)
+        try:
+            return await q.open()
+        except BaseException:
+            await q.close()
+            raise
 
     @property
     def stats(self) -> QueueStats:
@@ -448,8 +800,23 @@ class RolloutQueue:
         return self._q.stats
 
     @property
+    def run(self) -> RunInfo:
+        """The run this queue belongs to: id, last published version and its checkpoint."""
+        return self._q.run
+
+    @property
+    def run_id(self) -> str:
+        """This trainer's run id: stamped on every job submitted, required on every record trained on."""
+        return self._q.run_id
+
+    @property
+    def namespace(self) -> str:
+        """The namespace (key prefix maskroll:<namespace>:) of this queue."""
+        return self._q.keys.namespace
+
+    @property
     def policy_version(self) -> int:
-        """The trainer's declared policy version (set_policy_version, broadcast_weights)."""
+        """The trainer's declared policy version (the run's at open, then broadcast_weights)."""
         return self._q.policy_version
 
     @property
@@ -459,7 +826,7 @@ class RolloutQueue:
 
     @property
     def in_flight(self) -> int:
-        """Rollouts submitted by this queue and not yet acked, dropped or failed."""
+        """Rollouts submitted by this queue and not yet acked, dropped, failed or cancelled."""
         return self._q.in_flight
 
     @property
@@ -472,7 +839,8 @@ class RolloutQueue:
         return self._q.room()
 
     def set_policy_version(self, version: int) -> None:
-        """The version the trainer is at now; staleness = this − a record's first-token version."""
+        """The version the trainer is at now: staleness = this − a record's first-token version, and a
+        record from a newer version is refused. broadcast_weights() sets it."""
         self._q.set_policy_version(version)
 
     def submit(
@@ -506,8 +874,9 @@ class RolloutQueue:
     def next_batch(
         self, batch_size: int | None = None, max_staleness: int | None = None, timeout: float | None = None
     ) -> list[RolloutRecord]:
-        """The next batch of whole groups (≥ batch_size records). Raises QueueTimeout after `timeout` s.
-        See AsyncRolloutQueue.next_batch."""
+        """The next batch of whole groups (≥ batch_size records). Raises QueueTimeout after `timeout` s,
+        RunSuperseded once another trainer started a new run; never for one bad record (it is
+        dead-lettered). See AsyncRolloutQueue.next_batch."""
         return self._loop.run(self._q.next_batch(batch_size, max_staleness, timeout))
 
     def batches(
@@ -525,20 +894,51 @@ class RolloutQueue:
         """Live replicas of this namespace: those whose heartbeat key has not expired."""
         return self._loop.run(self._q.replicas())
 
+    def replica_weights(self, timeout: float = 10.0) -> dict[str, ReplicaWeights | str]:
+        """What each live replica serves now (GetInfo): {replica_id: ReplicaWeights | error}."""
+        return self._loop.run(self._q.replica_weights(timeout))
+
     def broadcast_weights(self, version: int, checkpoint_dir: str, timeout: float = 120.0) -> dict[str, str]:
-        """UpdateWeights on every live replica concurrently; {replica_id: "ok" | error}. The declared
-        policy version becomes `version` either way."""
+        """Publish `version` of this run (recorded as the run's latest, then UpdateWeights on every live
+        replica); {replica_id: "ok" | "unchanged" | error}. Raises BroadcastError when no live replica
+        loaded it. See AsyncRolloutQueue.broadcast_weights."""
         return self._loop.run(self._q.broadcast_weights(version, checkpoint_dir, timeout))
 
-    def close(self) -> None:
-        """Close the Redis connection and the event loop thread."""
+    def push_weights(
+        self,
+        version: int,
+        manifest: WeightsManifest,
+        chunks: Callable[[], Iterable[tuple[int, int, bytes | memoryview]]],
+        timeout: float = 120.0,
+        *,
+        record: str | None = "stream",
+    ) -> dict[str, str]:
+        """Publish `version` with its tensors in the call (PushWeights) to every live replica; record=None
+        re-sends the current version to replicas not serving it. See AsyncRolloutQueue.push_weights."""
+        return self._loop.run(self._q.push_weights(version, manifest, chunks, timeout, record=record))
+
+    def sync_replicas(self, timeout: float = 120.0) -> dict[str, str]:
+        """Make every live replica serve this run's current version (those serving it are "unchanged").
+        See AsyncRolloutQueue.sync_replicas."""
+        return self._loop.run(self._q.sync_replicas(timeout))
+
+    def cancel_pending_jobs(self) -> int:
+        """Delete the submitted prompt jobs no replica has started yet; returns how many."""
+        return self._loop.run(self._q.cancel_pending_jobs())
+
+    def open(self) -> RolloutQueue:
+        """Nothing to do: the sync queue is opened (run taken up) by its constructor."""
+        return self
+
+    def close(self, cancel_jobs: bool = False) -> None:
+        """Close the Redis connection and the event loop thread; cancel_jobs: first cancel the
+        submitted jobs no replica has started."""
         try:
-            self._loop.run(self._q.close(), timeout=10)
+            self._loop.run(self._q.close(cancel_jobs), timeout=30)
         finally:
             self._loop.close()
 
     def __enter__(self) -> RolloutQueue:
-        self._loop.run(self._q._groups_exist())
         return self
 
     def __exit__(self, *exc: object) -> None:

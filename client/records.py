@@ -14,7 +14,13 @@ import numpy as np
 from . import sampling
 
 SCHEMA_VERSION = 1
+# A RolloutRecord with a loss mask (a multi-turn trajectory) is written as version 2: its logprob arrays
+# cover the sampled tokens only on the wire, which a version-1 reader would misread, so it refuses them;
+# single-turn records stay version 1 and every reader reads them.
+MULTI_TURN_SCHEMA_VERSION = 2
 LOGPROBS_MODE = "processed"  # the logprobs of the distribution the engine actually sampled from
+# A log-probability is <= 0; float32 log-softmax of a near-certain token can round a hair above.
+LOGPROB_SLACK = 1e-3
 
 
 def rollout_id_for(job_id: str, sample_index: int) -> str:
@@ -52,11 +58,12 @@ class PromptJob:
     metadata: dict[str, str] = field(default_factory=dict)
     submitted_at: float = 0.0
     rollout_stream: str = ""  # empty: the replica's configured stream
+    run_id: str = ""  # the submitting trainer's run; the replica copies it into every record
 
 
 @dataclass(frozen=True)
 class Semantics:
-    """How to read the logprobs (MATH.md §6): the trainer refuses records whose semantics don't match."""
+    """How to read the logprobs (docs/math.md §6): the trainer refuses records whose semantics don't match."""
 
     logprobs_mode: str = LOGPROBS_MODE
     temperature: float = 1.0
@@ -94,7 +101,19 @@ class RolloutChunk:
 
 @dataclass
 class RolloutRecord:
-    """One sampled completion with everything a trainer needs (ARCHITECTURE.md, "The record")."""
+    """One sampled completion with everything a trainer needs (docs/records.md describes every field).
+
+    Identity: `rollout_id` = f(job_id, sample_index), so a re-run job yields duplicates, not new rollouts;
+    `request_id`, `job_id`, `group_id` (the GRPO group), `sample_index` of `group_size` samples,
+    `metadata` (the job's, copied), `replica_id`, `created_at` (unix seconds), `run_id` (the training run:
+    the job's run in pull mode; a trainer refuses records of another run, and records without one).
+    Tokens: `prompt_ids` [P], `completion_ids` [T], `finish_reason` ("stop" | "length" | "abort").
+    Logprobs of the *processed* distribution μ the engine sampled from (temperature, then top-k / top-p):
+    `sampled_logprobs` [T] = log μ(sampled token), `sampled_ranks` [T] (1 = the most likely),
+    `topk_ids` / `topk_logprobs` [T, K] sorted by rank. `semantics` says how to read them (temperature,
+    top_p, top_k, K, engine, model). Versions: the policy version at the first and last token and
+    `version_changes` [(token_index, version)] where an UpdateWeights landed mid-generation.
+    """
 
     rollout_id: str
     request_id: str
@@ -117,6 +136,14 @@ class RolloutRecord:
     created_at: float = 0.0
     group_size: int = 1  # samples of this job (n)
     schema_version: int = SCHEMA_VERSION
+    run_id: str = ""  # the training run; "" = unknown (a producer older than run ids)
+    # Multi-turn trajectories (an HTTP agent session): the completion is every token after the first
+    # prompt; loss_mask (bool [T]) marks the ones the model sampled (None: all of them, one turn). The
+    # logprob arrays stay [T] / [T, K], zero where the mask is False. segment_starts: completion indices
+    # where a fresh prompt begins (the client edited its history); num_turns: model calls (0: one record).
+    loss_mask: np.ndarray | None = None
+    segment_starts: list[int] = field(default_factory=list)
+    num_turns: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -126,10 +153,88 @@ class RolloutRecord:
     def logprobs_k(self) -> int:
         return int(self.topk_ids.shape[1])
 
+    @property
+    def generated(self) -> np.ndarray:  # bool [T]: which completion tokens the model sampled
+        if self.loss_mask is None:
+            return np.ones(self.num_tokens, bool)
+        return np.asarray(self.loss_mask, bool)
+
     def token_versions(self) -> np.ndarray:  # int64 [T]: the policy version that produced each token
         out = np.full(self.num_tokens, self.policy_version_first, np.int64)
         for index, version in self.version_changes:
             out[index:] = version
+        return out
+
+    @property
+    def max_policy_version(self) -> int:
+        """The newest policy version any of its tokens came from."""
+        return max(
+            [self.policy_version_first, self.policy_version_last, *(v for _, v in self.version_changes)]
+        )
+
+    def problems(self) -> list[str]:
+        """Why a trainer must not use this record (empty: it may). The checks a decoded record can pass
+        and still be wrong: identity, group, versions, and values no engine produces (ranks < 1, NaN or
+        positive logprobs, negative ids, an invalid temperature). Cheap: one pass over each array."""
+        out = []
+        if not self.rollout_id or not (self.job_id or self.request_id):
+            out.append("rollout_id and job_id / request_id must be set")
+        if self.group_size < 1 or not 0 <= self.sample_index < self.group_size:
+            out.append(f"sample_index {self.sample_index} is not in [0, group_size {self.group_size})")
+        if self.finish_reason not in ("stop", "length", "abort"):
+            out.append(f"finish_reason {self.finish_reason!r} is not stop / length / abort")
+        t = sampling.temperature_problem(self.semantics.temperature)
+        if t:
+            out.append(f"semantics.{t}")
+        k = self.semantics.logprobs_k
+        if (
+            k < 0
+            or self.topk_ids.shape != (self.num_tokens, k)
+            or self.topk_logprobs.shape != self.topk_ids.shape
+        ):
+            out.append(f"top-K arrays have shape {self.topk_ids.shape}, expected ({self.num_tokens}, {k})")
+        if self.sampled_logprobs.shape != (self.num_tokens,) or self.sampled_ranks.shape != (
+            self.num_tokens,
+        ):
+            out.append("sampled_logprobs / sampled_ranks do not have one entry per completion token")
+        if out:
+            return out  # the array checks below assume consistent shapes
+        versions = [
+            self.policy_version_first,
+            self.policy_version_last,
+            *(v for _, v in self.version_changes),
+        ]
+        if min(versions) < 0:
+            out.append(f"negative policy version in {versions}")
+        last = self.version_changes[-1][1] if self.version_changes else self.policy_version_first
+        if self.policy_version_last != last:
+            out.append(
+                f"policy_version_last {self.policy_version_last} is not the version after the last "
+                f"change ({last})"
+            )
+        indices = [i for i, _ in self.version_changes]
+        if any(not 0 < i < self.num_tokens for i in indices) or indices != sorted(set(indices)):
+            out.append(
+                f"version_changes token indices {indices} are not increasing within (0, {self.num_tokens})"
+            )
+        for name, ids in (("prompt_ids", self.prompt_ids), ("completion_ids", self.completion_ids)):
+            if ids.size and ids.min() < 0:
+                out.append(f"{name} holds a negative token id")
+        if self.prompt_ids.size == 0:
+            out.append("prompt_ids is empty")
+        if self.num_tokens:
+            if self.loss_mask is not None and np.shape(self.loss_mask) != (self.num_tokens,):
+                out.append(f"loss_mask has shape {np.shape(self.loss_mask)}, expected ({self.num_tokens},)")
+                return out
+            if self.sampled_ranks[self.generated].min(initial=1) < 1:  # 0 where nothing was sampled
+                out.append("sampled_ranks holds a rank < 1 (ranks are 1-based)")
+            lp = self.sampled_logprobs
+            if not np.isfinite(lp).all() or lp.max() > LOGPROB_SLACK:
+                out.append("sampled_logprobs holds a NaN, an infinity or a positive value")
+            if k and (np.isnan(self.topk_logprobs).any() or self.topk_logprobs.max() > LOGPROB_SLACK):
+                out.append("topk_logprobs holds a NaN or a positive value")
+            if k and self.topk_ids.min() < 0:
+                out.append("topk_ids holds a negative token id")
         return out
 
 
@@ -193,6 +298,7 @@ class ServerInfo:
     kv_cache_bytes: int = 0
     gpu_memory_utilization: float = 0.0
     kv_cache_tokens: int = 0
+    run_id: str = ""  # the run of the weights served (the last UpdateWeights); "" = none yet
 
 
 @dataclass(frozen=True)
@@ -202,6 +308,7 @@ class WeightsUpdate:
     version: int
     checkpoint_dir: str | None = None  # set when the source is a checkpoint
     collective: bool = False  # the source is a CollectiveSource
+    run_id: str = ""  # the run the version belongs to ("" = a client older than runs)
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,14 @@
 `connect()` builds every Redis client maskroll uses, with redis-py's `Retry` + exponential backoff
 (STYLE.md §8). `REDIS_DOWN` names what counts as "Redis unreachable"; past the retry budget,
 `call()` turns it into `QueueUnavailable` naming the URL, so a trainer sees one plain error instead of
-a socket exception from deep inside redis-py. Knows nothing of streams, jobs or records.
+a socket exception from deep inside redis-py. A URL carries the Redis password: every message that
+names one goes through `redact` first (replicas also pass their log lines through it). Knows nothing of
+streams, jobs or records.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -23,6 +26,18 @@ T = TypeVar("T")
 # reaches the caller once that budget is spent, whichever layer raised it.
 RETRY_ON = (RedisConnectionError, RedisTimeoutError)
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+
+# scheme://user:password@ -> scheme://user:***@ ; and a password given as a URL query parameter.
+# Greedy up to the last "@" before the path: a password may hold an unencoded "@".
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*):[^/\s]*@")
+_QUERY_PASSWORD = re.compile(r"([?&](?:password|pass|passwd)=)[^&\s'\"]*", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """`text` with the password of every URL in it replaced by ***; the rest (host, port, db) kept,
+    since that is what an operator needs to find the unreachable server."""
+    return _QUERY_PASSWORD.sub(r"\1***", _USERINFO.sub(r"\1:***@", text))
 
 
 class QueueUnavailable(ConnectionError):
@@ -51,4 +66,4 @@ async def call(aw: Awaitable[T], url: str) -> T:
     except QueueUnavailable:
         raise  # already translated by a nested call(); it is an OSError too
     except REDIS_DOWN as e:
-        raise QueueUnavailable(f"Redis at {url} unreachable after the retry budget: {e}") from e
+        raise QueueUnavailable(redact(f"Redis at {url} unreachable after the retry budget: {e}")) from e

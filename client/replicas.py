@@ -1,22 +1,50 @@
-"""The replica registry and the weight broadcast (ARCHITECTURE.md flow 5).
+"""The replica registry and the weight broadcast (docs/architecture.md flow 4).
 
 A pull-mode replica keeps a heartbeat key under the run's namespace (JSON with its address, engine,
 model and policy version; written with a TTL by server/puller.py): the live replicas are those whose key
-has not expired. `broadcast_weights` calls UpdateWeights on each of them over gRPC. This is the only
-part of the queue SDK that needs grpc, and it imports it when weights are pushed, so a trainer that
-only submits and consumes never loads it. Knows nothing of jobs, records or batches.
+has not expired. `broadcast_weights` calls UpdateWeights (with the run id) on each of them over gRPC and
+`replica_weights` asks each what it serves (GetInfo). This is the only part of the queue SDK that needs
+grpc, and it imports it when weights are pushed, so a trainer that only submits and consumes never loads
+it. Knows nothing of jobs, records or batches.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
 from .streams import StreamKeys
+from .tensor_push import CollectiveSpec, WeightsManifest
+
+
+class BroadcastError(RuntimeError):
+    """A policy version no live replica loaded (none alive included). `results` is per replica."""
+
+    def __init__(self, version: int, results: dict[str, str], namespace: str = "") -> None:
+        self.version, self.results = version, dict(results)
+        self.failed = {r: e for r, e in results.items() if e not in ("ok", "unchanged")}
+        where = f" in namespace {namespace!r}" if namespace else ""
+        if results:
+            detail = "; ".join(f"{r}: {e}" for r, e in sorted(self.failed.items()))
+            message = (
+                f"policy version {version} was loaded by none of the {len(results)} live replicas{where} "
+                f"({detail})"
+            )
+        else:
+            message = f"policy version {version} reached no replica: 0 live replicas{where}"
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class ReplicaWeights:
+    """What a replica serves: the run of its weights ("" = none yet: its starting weights) and version."""
+
+    run_id: str
+    version: int
 
 
 @dataclass(frozen=True)
@@ -57,22 +85,112 @@ async def broadcast_weights(
     version: int,
     checkpoint_dir: str,
     *,
+    run_id: str = "",
     timeout: float = 120.0,
     token: str | None = None,
     tls: bool = False,
     root_certs: bytes | None = None,
 ) -> dict[str, str]:
-    """UpdateWeights on every replica concurrently, each bounded by `timeout` s. Returns
-    {replica_id: "ok" | "<ErrorType>: <message>"}: one replica failing never stops the others."""
+    """UpdateWeights(version of run `run_id`) on every replica concurrently, each bounded by `timeout` s.
+    Returns {replica_id: "ok" | "<ErrorType>: <message>"}: one replica failing never stops the others."""
     from .rollout_client import RolloutClient  # grpc only when weights are pushed
 
     async def one(rep: ReplicaInfo) -> str:
         try:
             async with RolloutClient(rep.address, token=token, tls=tls, root_certs=root_certs) as c:
-                await asyncio.wait_for(c.update_weights(version, checkpoint_dir), timeout)
+                await asyncio.wait_for(c.update_weights(version, checkpoint_dir, run_id=run_id), timeout)
             return "ok"
         except Exception as e:  # reported per replica, by design
             return f"{type(e).__name__}: {e}"
 
     results = await asyncio.gather(*(one(rep) for rep in replicas))
+    return {rep.replica_id: res for rep, res in zip(replicas, results, strict=True)}
+
+
+async def replica_weights(
+    replicas: Sequence[ReplicaInfo],
+    *,
+    timeout: float = 10.0,
+    token: str | None = None,
+    tls: bool = False,
+    root_certs: bytes | None = None,
+) -> dict[str, ReplicaWeights | str]:
+    """GetInfo on every replica concurrently: {replica_id: ReplicaWeights | "<ErrorType>: <message>"}."""
+    from .rollout_client import RolloutClient
+
+    async def one(rep: ReplicaInfo) -> ReplicaWeights | str:
+        try:
+            async with RolloutClient(rep.address, token=token, tls=tls, root_certs=root_certs) as c:
+                info = await asyncio.wait_for(c.info(), timeout)
+            return ReplicaWeights(info.run_id, info.policy_version)
+        except Exception as e:  # reported per replica, by design
+            return f"{type(e).__name__}: {e}"
+
+    results = await asyncio.gather(*(one(rep) for rep in replicas))
+    return {rep.replica_id: res for rep, res in zip(replicas, results, strict=True)}
+
+
+async def push_weights(
+    replicas: Sequence[ReplicaInfo],
+    manifest: WeightsManifest,
+    chunks: Callable[[], Iterable[tuple[int, int, bytes | memoryview]]],
+    *,
+    timeout: float = 120.0,
+    token: str | None = None,
+    tls: bool = False,
+    root_certs: bytes | None = None,
+) -> dict[str, str]:
+    """PushWeights(manifest, then `chunks()`) to every replica concurrently, each bounded by `timeout` s
+    (sending and loading). `chunks` is called once per replica and yields (tensor index, offset, bytes)
+    in manifest order; each replica reads at its own pace, so a slow or dead one never holds back the
+    others. Returns {replica_id: "ok" | "<ErrorType>: <message>"}."""
+    from . import wire
+    from .rollout_client import RolloutClient
+
+    def messages():
+        yield wire.manifest_to_pb(manifest)
+        for index, offset, data in chunks():
+            yield wire.push_chunk_to_pb(index, offset, data)
+
+    async def one(rep: ReplicaInfo) -> str:
+        try:
+            async with RolloutClient(rep.address, token=token, tls=tls, root_certs=root_certs) as c:
+                # The deadline bounds the whole call (gRPC cancels it, so the replica drops the
+                # half-received push); wait_for is the backstop for a channel that never connects.
+                call = c._unary(c._rollout().PushWeights, messages(), timeout)
+                await asyncio.wait_for(call, timeout + 5.0)
+            return "ok"
+        except Exception as e:  # reported per replica, by design
+            return f"{type(e).__name__}: {e}"
+
+    results = await asyncio.gather(*(one(rep) for rep in replicas))
+    return {rep.replica_id: res for rep, res in zip(replicas, results, strict=True)}
+
+
+async def collective_update(
+    replicas: Sequence[ReplicaInfo],
+    version: int,
+    specs: Sequence[CollectiveSpec],
+    *,
+    run_id: str = "",
+    timeout: float = 600.0,
+    token: str | None = None,
+    tls: bool = False,
+    root_certs: bytes | None = None,
+) -> dict[str, str]:
+    """UpdateWeights(collective spec i) on replica i, all concurrently (each blocks in its NCCL
+    rendezvous or receive until the trainer broadcasts). {replica_id: "ok" | "<ErrorType>: <message>"}."""
+    from . import wire
+    from .rollout_client import RolloutClient
+
+    async def one(rep: ReplicaInfo, spec: CollectiveSpec) -> str:
+        try:
+            async with RolloutClient(rep.address, token=token, tls=tls, root_certs=root_certs) as c:
+                request = wire.collective_request(version, spec, run_id)
+                await asyncio.wait_for(c._unary(c._rollout().UpdateWeights, request, timeout), timeout + 5.0)
+            return "ok"
+        except Exception as e:  # reported per replica, by design
+            return f"{type(e).__name__}: {e}"
+
+    results = await asyncio.gather(*(one(rep, spec) for rep, spec in zip(replicas, specs, strict=True)))
     return {rep.replica_id: res for rep, res in zip(replicas, results, strict=True)}

@@ -162,6 +162,7 @@ class RolloutClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the channel (streams still open end with CANCELLED)."""
         if self._channel is not None:
             await self._channel.close()
             self._channel = self._stub = None
@@ -201,12 +202,21 @@ class RolloutClient:
         return ChunkStream(self._rollout().Generate(request, metadata=self._metadata, timeout=timeout))
 
     async def generate_records(
-        self, prompt_ids: Sequence[int] | np.ndarray, options: SamplingOptions | None = None, **kwargs
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        options: SamplingOptions | None = None,
+        *,
+        request_id: str = "",
+        job_id: str = "",
+        group_id: str = "",
+        metadata: dict[str, str] | None = None,
+        timeout: float | None = None,
     ) -> list[RolloutRecord]:
         """All n samples' records, ordered by sample index (keyword arguments as for `generate`)."""
         options = options or SamplingOptions()
         assembler, records = RecordAssembler(), {}
-        async with self.generate(prompt_ids, options, **kwargs) as stream:
+        kw = dict(request_id=request_id, job_id=job_id, group_id=group_id, metadata=metadata, timeout=timeout)
+        async with self.generate(prompt_ids, options, **kw) as stream:
             async for chunk in stream:
                 record = assembler.add(chunk)
                 if record is not None:
@@ -219,7 +229,15 @@ class RolloutClient:
         return [records[i] for i in range(options.n)]
 
     async def generate_record(
-        self, prompt_ids: Sequence[int] | np.ndarray, options: SamplingOptions | None = None, **kwargs
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        options: SamplingOptions | None = None,
+        *,
+        request_id: str = "",
+        job_id: str = "",
+        group_id: str = "",
+        metadata: dict[str, str] | None = None,
+        timeout: float | None = None,
     ) -> RolloutRecord:
         """The one record of an n=1 request."""
         options = options or SamplingOptions()
@@ -228,19 +246,28 @@ class RolloutClient:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"generate_record is for n=1 (got n={options.n}); use generate_records",
             )
-        return (await self.generate_records(prompt_ids, options, **kwargs))[0]
+        kw = dict(request_id=request_id, job_id=job_id, group_id=group_id, metadata=metadata, timeout=timeout)
+        return (await self.generate_records(prompt_ids, options, **kw))[0]
 
     # ---- weights and info -----------------------------------------------------------------------
 
     async def update_weights(
-        self, version: int, checkpoint_dir: str | os.PathLike, *, timeout: float | None = None
+        self,
+        version: int,
+        checkpoint_dir: str | os.PathLike,
+        *,
+        timeout: float | None = None,
+        run_id: str = "",
     ) -> WeightsUpdateResult:
         """Make the replica load the safetensors checkpoint `checkpoint_dir` (a path on the replica's
-        machine, under its weights_root) as policy `version` (greater than its current version)."""
-        request = wire.update_request(version, os.fspath(checkpoint_dir))
+        machine, under its weights_root) as policy `version` of training run `run_id`: greater than its
+        current version within the same run; any version when the replica serves another run (it reloads).
+        Without a run id, the version must be greater."""
+        request = wire.update_request(version, os.fspath(checkpoint_dir), run_id)
         return wire.update_result_from_pb(await self._unary(self._rollout().UpdateWeights, request, timeout))
 
     async def info(self, *, timeout: float | None = None) -> ServerInfo:
+        """The replica's model, engine, limits, effective engine settings, policy version and run."""
         return wire.info_from_pb(await self._unary(self._rollout().GetInfo, pb.GetInfoRequest(), timeout))
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
@@ -259,19 +286,57 @@ class SyncRolloutClient:
     Same arguments and methods; `generate` returns a plain iterator (closing it or breaking out of the
     loop cancels the call). Use as a context manager or call `close()`."""
 
-    def __init__(self, target: str, **kwargs) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        root_certs: bytes | None = None,
+        tls_server_name: str | None = None,
+        timeout: float | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        """See RolloutClient for what each argument means."""
         self._loop_thread = LoopThread("maskroll-rollout-client")
         self._loop = self._loop_thread.loop
-        self._client = RolloutClient(target, **kwargs)
+        self._client = RolloutClient(
+            target,
+            token=token,
+            tls=tls,
+            root_certs=root_certs,
+            tls_server_name=tls_server_name,
+            timeout=timeout,
+            max_message_bytes=max_message_bytes,
+        )
 
     def _run(self, coro):
         return self._loop_thread.run(coro)
 
     def generate(
-        self, prompt_ids, options: SamplingOptions | None = None, **kwargs
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        options: SamplingOptions | None = None,
+        *,
+        request_id: str = "",
+        job_id: str = "",
+        group_id: str = "",
+        metadata: dict[str, str] | None = None,
+        include_record_arrays: bool = False,
+        timeout: float | None = None,
     ) -> Iterator[RolloutChunk]:
+        """RolloutClient.generate as a plain iterator; leaving the loop early cancels the call."""
+        kw = dict(
+            request_id=request_id,
+            job_id=job_id,
+            group_id=group_id,
+            metadata=metadata,
+            include_record_arrays=include_record_arrays,
+            timeout=timeout,
+        )
+
         async def open_stream() -> ChunkStream:  # the call must be created on the client's loop
-            return self._client.generate(prompt_ids, options, **kwargs)
+            return self._client.generate(prompt_ids, options, **kw)
 
         stream = self._run(open_stream())
         return self._iterate(stream)
@@ -289,23 +354,56 @@ class SyncRolloutClient:
                 self._loop.call_soon_threadsafe(stream.cancel)
 
     def generate_records(
-        self, prompt_ids, options: SamplingOptions | None = None, **kwargs
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        options: SamplingOptions | None = None,
+        *,
+        request_id: str = "",
+        job_id: str = "",
+        group_id: str = "",
+        metadata: dict[str, str] | None = None,
+        timeout: float | None = None,
     ) -> list[RolloutRecord]:
-        return self._run(self._client.generate_records(prompt_ids, options, **kwargs))
+        """All n samples' records, ordered by sample index."""
+        kw = dict(request_id=request_id, job_id=job_id, group_id=group_id, metadata=metadata, timeout=timeout)
+        return self._run(self._client.generate_records(prompt_ids, options, **kw))
 
-    def generate_record(self, prompt_ids, options: SamplingOptions | None = None, **kwargs) -> RolloutRecord:
-        return self._run(self._client.generate_record(prompt_ids, options, **kwargs))
+    def generate_record(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        options: SamplingOptions | None = None,
+        *,
+        request_id: str = "",
+        job_id: str = "",
+        group_id: str = "",
+        metadata: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> RolloutRecord:
+        """The one record of an n=1 request."""
+        kw = dict(request_id=request_id, job_id=job_id, group_id=group_id, metadata=metadata, timeout=timeout)
+        return self._run(self._client.generate_record(prompt_ids, options, **kw))
 
-    def update_weights(self, version: int, checkpoint_dir, **kwargs) -> WeightsUpdateResult:
-        return self._run(self._client.update_weights(version, checkpoint_dir, **kwargs))
+    def update_weights(
+        self,
+        version: int,
+        checkpoint_dir: str | os.PathLike,
+        *,
+        timeout: float | None = None,
+        run_id: str = "",
+    ) -> WeightsUpdateResult:
+        """See RolloutClient.update_weights."""
+        return self._run(self._client.update_weights(version, checkpoint_dir, timeout=timeout, run_id=run_id))
 
-    def info(self, **kwargs) -> ServerInfo:
-        return self._run(self._client.info(**kwargs))
+    def info(self, *, timeout: float | None = None) -> ServerInfo:
+        """See RolloutClient.info."""
+        return self._run(self._client.info(timeout=timeout))
 
-    def health(self, service: str = "", **kwargs) -> str:
-        return self._run(self._client.health(service, **kwargs))
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """See RolloutClient.health."""
+        return self._run(self._client.health(service, timeout=timeout))
 
     def close(self) -> None:
+        """Close the client and its event loop thread."""
         if self._loop.is_closed():
             return
         self._run(self._client.close())

@@ -4,7 +4,12 @@ One step: take a batch of whole GRPO groups from the rollout queue (admission co
 batches generating meanwhile, at most `max_staleness` versions behind) → rewards → `collate` (group
 advantages) → `token_logprobs` + `compute_masks` + `policy_loss` → optimiser step → ack → publish the new
 weights to every replica as the next policy version. Diagnostics on the side: the realised change of the
-divergence after the step, against each rule's predicted direction (MATH.md §7, docs/math.md).
+divergence after the step, against each rule's predicted direction (docs/math.md §7).
+
+The run: `train(..., run="new")` (the default) starts a new training run on the namespace from
+`model_dir`'s weights — replicas still serving a previous run's weights are made to load these first
+(`CheckpointPublisher.start`), and the previous run's leftover jobs and records are never trained on;
+`run="resume"` continues the namespace's run from its last published version and checkpoint.
 
 Copy it and change the task (`digits` here), the model and the optimiser. It runs against replicas and a
 Redis that already exist; `maskroll demo` (server/demo.py) starts those and calls `train`.
@@ -18,6 +23,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -34,7 +40,7 @@ from maskroll.trainer_adapter import (
 )
 from maskroll.trainer_adapter.collate import Batch
 from maskroll.trainer_adapter.config import Divergence, Estimator, Method
-from maskroll.weight_sync import CheckpointPublisher
+from maskroll.weight_sync import CheckpointPublisher, StreamPublisher
 
 from . import digits
 
@@ -159,15 +165,29 @@ def wait_for_replicas(q: RolloutQueue, count: int, timeout: float = 60.0) -> lis
     return reps
 
 
+def fmt(x: float, spec: str) -> str:
+    """`x` formatted with `spec`, without the minus sign of a value that rounds to zero: estimators of a
+    divergence can be a hair below 0, and "-0.0000" reads as a sign that means something."""
+    text = f"{x:{spec}}"
+    rounds_to_zero = float(text.strip().rstrip("%")) == 0
+    return f"{0.0:{spec}}" if rounds_to_zero else text
+
+
 def progress(step: int, total: int, log: StepLog) -> str:
     width = 20
     done = int(width * step / total)
     bar = "█" * done + "·" * (width - done)
     return (
-        f"[{bar}] step {step:3d}/{total}  reward {log.reward:.3f}  masked {log.mask_frac:6.2%}  "
-        f"D {log.divergence_mean:.4f}  mismatch KL {log.mismatch_kl:.4f}  stale {log.staleness:.2f}  "
-        f"v{log.policy_version}  {log.tokens_per_s:6.0f} tok/s"
+        f"[{bar}] step {step:3d}/{total}  reward {fmt(log.reward, '.3f')}  "
+        f"masked {fmt(log.mask_frac, '6.2%')}  D {fmt(log.divergence_mean, '.4f')}  "
+        f"mismatch KL {fmt(log.mismatch_kl, '.4f')}  "
+        f"stale {fmt(log.staleness, '.2f')}  v{log.policy_version}  {log.tokens_per_s:6.0f} tok/s"
     )
+
+
+def scalar(x) -> float:
+    """A metric as a plain float (a tensor is detached first: no autograd warning, no graph kept)."""
+    return float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
 
 
 def train(
@@ -178,8 +198,14 @@ def train(
     model_dir: Path,
     weights_root: Path,
     min_replicas: int = 1,
+    run: Literal["new", "resume"] = "new",
+    weight_transport: Literal["stream", "directory"] = "stream",
 ) -> dict:
-    """Train against the replicas of `namespace`; returns the run's summary (rewards, steps, versions)."""
+    """Train against the replicas of `namespace`; returns the run's summary (rewards, steps, versions).
+    run: "new" starts a training run from `model_dir`'s weights, "resume" continues the namespace's run
+    from its last checkpoint (see the module docstring). weight_transport: "stream" pushes each version
+    to the replicas over gRPC (`weights_root` is then the trainer's own copy, for resuming);
+    "directory" writes it under `weights_root`, the replicas' shared --weights-root."""
     import transformers
 
     random.seed(cfg.seed)
@@ -197,10 +223,14 @@ def train(
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     auth = grpc_auth()
     with RolloutQueue(
-        redis_url, namespace, batch_size=cfg.batch_size, max_staleness=cfg.max_staleness, **auth
+        redis_url, namespace, run=run, batch_size=cfg.batch_size, max_staleness=cfg.max_staleness, **auth
     ) as q:
         eval_address = wait_for_replicas(q, min_replicas)[0].address
-        publisher = CheckpointPublisher(q, weights_root, keep=2)
+        if weight_transport == "stream":
+            publisher = StreamPublisher(q, save_root=weights_root, keep=2, follow_s=5.0)
+        else:
+            publisher = CheckpointPublisher(q, weights_root, keep=2)
+        publisher.start(model)  # every replica now samples from the run's current weights (and `model` too)
         reward_before = evaluate(eval_address, eval_prompts, cfg)
         print(f"  held-out reward before training: {reward_before:.3f}", flush=True)
 
@@ -226,25 +256,25 @@ def train(
             opt.step()
             agree = realised_agreement(model, b, mask_cfg, res)
             q.ack(batch)  # at-least-once: ack after the step
-            version = step  # one optimiser step = one policy version
-            publisher.publish(model, version)
+            publisher.publish(model)  # one optimiser step = one policy version; raises if no replica took it
+            version = publisher.version
             tokens_total += int(b.response_mask.sum())
             log = StepLog(
                 step=step,
                 reward=float(np.mean(rewards)),
-                mask_frac=float(m["mask_frac"]),
-                far_frac=float(m["far_frac"]),
-                divergence_mean=float(m["divergence_mean"]),
-                mismatch_kl=float(m["mismatch_kl"]),
-                staleness=float((version - 1 - b.policy_versions).double().mean()),
+                mask_frac=scalar(m["mask_frac"]),
+                far_frac=scalar(m["far_frac"]),
+                divergence_mean=scalar(m["divergence_mean"]),
+                mismatch_kl=scalar(m["mismatch_kl"]),
+                staleness=scalar((version - 1 - b.policy_versions).double().mean()),
                 policy_version=version,
                 tokens_per_s=tokens_total / (time.monotonic() - t_train),
-                loss=float(loss.detach()),
-                agree_ratio_far=agree["ratio"]["agree_far"],
-                agree_predictive_far=agree["predictive"]["agree_far"],
-                agree_ratio_all=agree["ratio"]["agree_all"],
-                agree_predictive_all=agree["predictive"]["agree_all"],
-                disagreement_frac_far=agree["_sets"]["disagreement_frac_far"],
+                loss=scalar(loss),
+                agree_ratio_far=scalar(agree["ratio"]["agree_far"]),
+                agree_predictive_far=scalar(agree["predictive"]["agree_far"]),
+                agree_ratio_all=scalar(agree["ratio"]["agree_all"]),
+                agree_predictive_all=scalar(agree["predictive"]["agree_all"]),
+                disagreement_frac_far=scalar(agree["_sets"]["disagreement_frac_far"]),
                 seconds=time.monotonic() - t0,
                 replicas=dict(collections.Counter(r.replica_id for r in batch)),
             )
@@ -258,6 +288,9 @@ def train(
         for rep in q.replicas():  # ask each replica: heartbeats refresh only every few seconds
             with SyncRolloutClient(rep.address, **auth) as c:
                 replica_versions[rep.replica_id] = c.info().policy_version
+        if isinstance(publisher, StreamPublisher):
+            publisher.close()  # its follower thread uses the queue, which closes next
+        q.cancel_pending_jobs()  # prompts no replica started would only be refused by the next run
         queue_stats = asdict(q.stats)
     return {
         "mask_config": asdict(mask_cfg),

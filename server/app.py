@@ -2,7 +2,10 @@
 
 `start()` starts the engine, binds the port (0 = a free one; the bound port is returned), registers the
 rollout and standard health services, serves metrics when configured, and with `redis_url` + `pull`
-consumes prompt jobs from Redis. `Replica.drain()` is the graceful stop: health → NOT_SERVING, no new
+consumes prompt jobs from Redis (the puller supervised: restarted with backoff after an error). A health
+monitor polls the engine and the puller every HEALTH_PERIOD_S: while either cannot serve (a dead or
+stuck engine, a prompt stream that cannot be read) both health services read NOT_SERVING, with the
+reason logged once per change. `Replica.drain()` is the graceful stop: health → NOT_SERVING, no new
 requests or jobs, in-flight streams and jobs run on for up to drain_timeout_s (streams then end with
 finish_reason "abort"; unfinished jobs stay pending in Redis for another replica), then the engine closes.
 """
@@ -26,6 +29,7 @@ from .auth import BearerTokenInterceptor, server_credentials
 from .config import ConfigError, ServerConfig
 from .engine import Engine
 from .jobs import JobRunner
+from .join import join_current_version
 from .metrics import Metrics
 from .publisher import RolloutPublisher
 from .puller import PromptPuller
@@ -37,6 +41,7 @@ SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_na
 # After the drain timeout, aborted streams still need a moment to send their final "abort" chunks.
 ABORT_GRACE_S = 5.0
 STOP_GRACE_S = 1.0
+HEALTH_PERIOD_S = 0.5  # how often the health monitor asks the engine and the puller
 
 
 class BindError(OSError):
@@ -63,6 +68,14 @@ class Replica:
     redis: object | None = None  # redis.asyncio.Redis when redis_url is set
     puller: PromptPuller | None = None
     _puller_task: asyncio.Task | None = None
+    _health_task: asyncio.Task | None = None
+    http: object | None = None  # http_server.HttpFrontEnd when http_port is set
+
+    def abort_all(self) -> None:
+        """End every in-flight request of both front ends now (a second SIGTERM)."""
+        self.servicer.abort_all()
+        if self.http is not None:
+            self.http.abort_all()
 
     @property
     def address(self) -> str:
@@ -78,7 +91,12 @@ class Replica:
         self._drained = True
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         await self.health.enter_graceful_shutdown()  # NOT_SERVING for every service, permanently
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
         self.servicer.begin_drain()
+        # The HTTP front end drains beside gRPC, under the same timeout, and is closed before the engine.
+        http_drain = asyncio.create_task(self.http.drain(timeout_s)) if self.http is not None else None
         started = asyncio.get_running_loop().time()
         if self.puller is not None:
             self.puller.stop()
@@ -97,6 +115,8 @@ class Replica:
                 log.warning("drain: %d requests did not end after the abort", self.servicer.in_flight)
         # Whatever is left (health Watch streams, a client not reading its last chunks) is cancelled.
         await self.server.stop(grace=STOP_GRACE_S)
+        if http_drain is not None:
+            await http_drain
         if self.owns_engine:
             await self.engine.close()
         if self._httpd is not None:
@@ -151,9 +171,66 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
         redis=redis,
         puller=puller,
     )
+    await join_current_version(replica)  # the run's current weights before the first job (join.py)
     if puller is not None:
-        replica._puller_task = asyncio.create_task(puller.run(), name="prompt-puller")
+        replica._puller_task = asyncio.create_task(puller.supervise(), name="prompt-puller")
+    replica._health_task = asyncio.create_task(_watch_health(replica), name="health-monitor")
+    if config.http_port is not None:
+        replica.http = await _start_http(replica, publisher)
     return replica
+
+
+async def _start_http(replica: Replica, publisher: RolloutPublisher | None):
+    """The HTTP / OpenAI front end beside gRPC (same engine, token, TLS, limits). If it cannot start,
+    the gRPC server just started is stopped again and BindError (or the error) propagates."""
+    from .http_server import HttpFrontEnd  # fastapi and uvicorn load only when HTTP is on
+
+    c = replica.config
+    try:
+        http = await HttpFrontEnd.create(c, replica.engine, replica.servicer, replica.metrics, publisher)
+        await http.start()
+    except BaseException as exc:
+        if replica._health_task is not None:
+            replica._health_task.cancel()
+        await replica.server.stop(grace=0)
+        if isinstance(exc, OSError):
+            raise BindError(f"cannot listen on {_hostport(c.host, c.http_port)} for HTTP: {exc}") from exc
+        raise
+    return http
+
+
+def problems(replica: Replica) -> list[str]:
+    """Why the replica cannot serve now (empty: it can): the engine's and the puller's reasons."""
+    found = [replica.engine.failure()]
+    if replica.puller is not None:
+        found.append(replica.puller.failure())
+    return [p for p in found if p]
+
+
+async def _watch_health(replica: Replica) -> None:
+    """Keep both health services at SERVING exactly while `problems` is empty (until the drain, whose
+    NOT_SERVING is final). A failing check is itself a reason: the monitor must never die silently."""
+    serving = True
+    while True:
+        try:
+            found = problems(replica)
+        except Exception as exc:
+            log.exception("health check failed")
+            found = [f"the health check failed: {type(exc).__name__}: {exc}"]
+        if serving == bool(found):
+            serving = not found
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if serving
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            for service in ("", SERVICE_NAME):
+                await replica.health.set(service, status)
+            if serving:
+                log.info("health: SERVING again")
+            else:
+                log.error("health: NOT_SERVING: %s", "; ".join(found))
+        await asyncio.sleep(HEALTH_PERIOD_S)
 
 
 def _queue(config: ServerConfig, metrics: Metrics) -> tuple[object | None, RolloutPublisher | None]:
@@ -222,6 +299,7 @@ def _puller(
         concurrency=config.pull_concurrency,
         claim_idle_s=config.claim_idle_s,
         heartbeat_ttl_s=config.heartbeat_ttl_s,
+        max_deliveries=config.max_job_deliveries,
         replica_info=lambda: {
             "address": address,
             "engine": engine.name,
@@ -236,6 +314,8 @@ def ready_line(r: Replica) -> str:
     tls = "tls" if r.config.tls_cert else "plaintext"
     auth = "token" if r.config.token else "no auth"
     pull = f"; pulling jobs from namespace {r.config.namespace!r}" if r.puller is not None else ""
+    if r.http is not None:
+        pull += f"; http {r.http.scheme}://{_hostport(r.config.host, r.http.port)}"
     return (
         f"maskroll serve: ready on {r.address} ({tls}, {auth}; engine {r.engine.name} {r.engine.version}, "
         f"model {r.engine.model_id}, policy version {r.engine.policy_version}; metrics {metrics}{pull})"
@@ -260,7 +340,7 @@ async def serve(config: ServerConfig) -> int:
         "draining: %d requests in flight, up to %.1f s", replica.servicer.in_flight, config.drain_timeout_s
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, replica.servicer.abort_all)
+        loop.add_signal_handler(sig, replica.abort_all)
     await replica.drain()
     print("maskroll serve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -28,7 +28,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "write a seeded tiny Llama model with a byte-level tokenizer",
         "maskroll.server.model_init:main",
     ),
-    "serve": ("serve rollouts over gRPC (vLLM or the torch reference engine)", "maskroll.server.serve:main"),
+    "redis": (
+        "a Redis on 127.0.0.1 for trying maskroll on one machine (prints its URL; Ctrl-C stops it)",
+        "maskroll.client.local_redis:main",
+    ),
+    "serve": (
+        "serve rollouts over gRPC and HTTP/OpenAI (vLLM or the torch reference engine)",
+        "maskroll.server.serve:main",
+    ),
 }
 
 

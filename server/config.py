@@ -30,6 +30,20 @@ EngineChoice = Literal["auto", "vllm", "torch"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
+# The placeholders deploy/ ships (k8s/base/secret.yaml, .env.example) and their usual cousins: a replica
+# started with one would accept anyone who read the repository.
+PLACEHOLDER_SECRETS = ("replace-me", "change-me", "changeme")
+PLACEHOLDER_MESSAGE = (
+    "{what} is a placeholder from the deploy files (REPLACE-ME...); set a real secret "
+    "(openssl rand -hex 32) before starting a replica"
+)
+
+
+def _placeholder(secret: str) -> bool:
+    low = secret.lower()
+    return any(p in low for p in PLACEHOLDER_SECRETS)
+
+
 def _default_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -206,6 +220,17 @@ class ServerConfig(BaseSettings):
     """gRPC port; 0 = pick a free port (the ready line prints the bound address)."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus metrics HTTP port; unset = no metrics endpoint, 0 = pick a free port."""
+    http_port: int | None = Field(None, ge=0, le=65535)
+    """HTTP port of the JSON and OpenAI-compatible API (same engine, auth token, TLS and limits as gRPC);
+    unset = no HTTP, 0 = pick a free port (the ready line prints the bound address)."""
+    max_sessions: int = Field(256, ge=1, le=1_000_000)
+    """HTTP: agent sessions (X-Maskroll-Session) a replica holds at once; a new one past this is refused
+    (429). Memory per session is bounded by max_session_tokens."""
+    session_idle_s: float = Field(600.0, gt=0, le=7 * 86400)
+    """HTTP: a session with no call for this long is dropped unpublished (the agent went away)."""
+    max_session_tokens: int = Field(32768, ge=2, le=1 << 24)
+    """HTTP: tokens one session's trajectory may hold after its first prompt (every turn, tool result and
+    segment); a call that would start past it is refused (400). About 16 + 8·K bytes a token."""
     max_logprobs: int = Field(20, ge=0, le=4096)
     """Largest top-K a request may ask for (logprobs_k); also sizes the engine's logprob buffers."""
     max_tokens: int = Field(4096, ge=1)
@@ -246,6 +271,9 @@ class ServerConfig(BaseSettings):
     """Pull mode: a job pending this long on a silent replica is reclaimed by another (XAUTOCLAIM)."""
     heartbeat_ttl_s: float = Field(15.0, gt=0, le=3600)
     """Lifetime of this replica's registry key; it is refreshed every third of it."""
+    max_job_deliveries: int = Field(10, ge=1, le=1000)
+    """Pull mode: a job Redis has delivered this many times without it finishing (each run failed, or
+    killed its replica) is dead-lettered and the trainer told (job_error), instead of looping forever."""
     rollout_stream_max_len: int = Field(100_000, ge=1)
     """Unconsumed records the rollout stream may hold; past it the publisher waits (never trims)."""
     publish_wait_s: float = Field(600.0, gt=0)
@@ -286,7 +314,25 @@ class ServerConfig(BaseSettings):
         # The token travels in an HTTP/2 header: whitespace or control characters would never match.
         if v is not None and (not v.get_secret_value().isprintable() or " " in v.get_secret_value()):
             raise ValueError("auth_token must be printable with no spaces")
+        if v is not None and _placeholder(v.get_secret_value()):
+            raise ValueError(PLACEHOLDER_MESSAGE.format(what="auth_token"))
         return v
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_password(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and _placeholder(v.get_secret_value()):
+            raise ValueError(PLACEHOLDER_MESSAGE.format(what="the password in redis_url"))
+        return v
+
+    @model_validator(mode="after")
+    def _http_port(self) -> ServerConfig:
+        if self.http_port and self.http_port in (self.port, self.metrics_port):
+            raise ValueError(
+                f"http_port={self.http_port} equals port={self.port} or metrics_port={self.metrics_port}; "
+                "give each server its own port"
+            )
+        return self
 
     @model_validator(mode="after")
     def _cross_field(self) -> ServerConfig:

@@ -21,12 +21,16 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Literal, get_args
 
 from maskroll.trainer_adapter.config import Divergence, Estimator, Method
 
 Engine = Literal["auto", "torch", "vllm"]
+Trainer = Literal["maskroll", "trl"]  # the GRPO recipe, or TRL's GRPOTrainer through maskroll (recipes/)
+# stream: weights pushed to the replicas over gRPC (no shared filesystem); directory: a shared weights root
+WeightTransport = Literal["stream", "directory"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class DemoConfig:
     estimator: Estimator = "proportional"
     delta: float | None = None  # default per divergence (MaskConfig)
     engine: Engine = "auto"
+    trainer: Trainer = "maskroll"
     replicas: int = 2
     prompts_per_step: int = 8
     n: int = 8  # samples per prompt (one GRPO group)
@@ -55,6 +60,12 @@ class DemoConfig:
     namespace: str = "demo"
     weights_dir: Path | None = None
     model: Path | None = None  # default: <out>/model, written by init-model
+    weight_transport: WeightTransport = "stream"
+
+    @property
+    def transport(self) -> WeightTransport:
+        """The transport used: TRL's trainer publishes through CheckpointPublisher (directory) only."""
+        return "directory" if self.trainer == "trl" else self.weight_transport
 
     @property
     def batch_size(self) -> int:
@@ -103,8 +114,7 @@ class Cluster:
                 "--pull",
                 "--replica-id",
                 f"demo-replica-{i}",
-                "--weights-root",
-                str(self.weights),
+                *(("--weights-root", str(self.weights)) if self.cfg.transport == "directory" else ()),
                 "--max-logprobs",
                 str(self.cfg.logprobs_k),
                 "--drain-timeout-s",
@@ -172,14 +182,20 @@ def run(cfg: DemoConfig) -> dict:
 
     t_start = time.monotonic()
     print(
-        f"maskroll demo: {cfg.replicas} replicas (engine {cfg.engine}), method {cfg.method} + "
-        f"{cfg.divergence} + {cfg.estimator}, {cfg.steps} steps of {cfg.batch_size} rollouts -> {out}/",
+        f"maskroll demo: {cfg.replicas} replicas (engine {cfg.engine}), trainer {cfg.trainer}, method "
+        f"{cfg.method} + {cfg.divergence} + {cfg.estimator}, {cfg.steps} steps of {cfg.batch_size} "
+        f"rollouts -> {out}/",
         flush=True,
     )
     with Cluster(cfg, model_dir.resolve(), weights, out / "logs") as cluster:
         cluster.wait_ready()
         print(f"  replicas ready after {time.monotonic() - t_start:.0f} s", flush=True)
-        result = grpo.train(
+        train = partial(grpo.train, weight_transport=cfg.transport)
+        if cfg.trainer == "trl":
+            from maskroll.recipes import trl_grpo
+
+            train = partial(trl_grpo.train, out_dir=out / "trl")
+        result = train(
             grpo_config(cfg),
             redis_url=cluster.url,
             namespace=cfg.namespace,
@@ -275,6 +291,12 @@ def parse(argv: list[str]) -> tuple[DemoConfig, bool]:
     p.add_argument("--estimator", choices=get_args(Estimator), default=d.estimator)
     p.add_argument("--delta", type=float, default=None, help="trust-region δ (default per divergence)")
     p.add_argument("--engine", choices=get_args(Engine), default=d.engine)
+    p.add_argument(
+        "--trainer",
+        choices=get_args(Trainer),
+        default=d.trainer,
+        help="maskroll: the GRPO recipe; trl: TRL's GRPOTrainer as MaskrollGRPOTrainer (recipes/trl_grpo.py)",
+    )
     p.add_argument("--replicas", type=int, default=d.replicas)
     p.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step)
     p.add_argument("--n", type=int, default=d.n, help="samples per prompt (GRPO group size)")
@@ -284,13 +306,27 @@ def parse(argv: list[str]) -> tuple[DemoConfig, bool]:
     p.add_argument("--no-spawn", action="store_true", help="use an existing Redis and replicas")
     p.add_argument("--redis-url", default=os.environ.get("MASKROLL_REDIS_URL"))
     p.add_argument("--namespace", default=d.namespace)
-    p.add_argument("--weights-dir", type=Path, default=None, help="checkpoints (replicas' weights root)")
+    p.add_argument(
+        "--weights-dir",
+        type=Path,
+        default=None,
+        help="checkpoints: the trainer's copy (stream) or the replicas' weights root (directory)",
+    )
+    p.add_argument(
+        "--weight-transport",
+        choices=get_args(WeightTransport),
+        default=d.weight_transport,
+        help="stream: push weights to the replicas over gRPC (default); directory: a shared weights root",
+    )
     p.add_argument("--model", type=Path, default=None, help="model directory (default: <out>/model)")
     a = p.parse_args(argv)
     if a.steps < 1 or a.n < 2 or a.prompts_per_step < 1 or a.replicas < 1 or a.max_tokens < 1:
         p.error("need steps >= 1, n >= 2 (a group needs two samples), prompts-per-step >= 1, replicas >= 1")
-    if a.no_spawn and not (a.redis_url and a.weights_dir and a.model):
-        p.error("--no-spawn needs --redis-url, --weights-dir (the replicas' weights root) and --model")
+    if a.no_spawn and not (a.redis_url and a.model and (a.weights_dir or a.weight_transport == "stream")):
+        p.error(
+            "--no-spawn needs --redis-url, --model and, with --weight-transport directory, --weights-dir "
+            "(the replicas' weights root)"
+        )
     cfg = DemoConfig(
         out=a.out,
         steps=a.steps,
@@ -300,6 +336,7 @@ def parse(argv: list[str]) -> tuple[DemoConfig, bool]:
         estimator=a.estimator,
         delta=a.delta,
         engine=a.engine,
+        trainer=a.trainer,
         replicas=a.replicas,
         prompts_per_step=a.prompts_per_step,
         n=a.n,
@@ -310,6 +347,7 @@ def parse(argv: list[str]) -> tuple[DemoConfig, bool]:
         namespace=a.namespace,
         weights_dir=a.weights_dir,
         model=a.model,
+        weight_transport=a.weight_transport,
     )
     return cfg, a.compare
 

@@ -9,6 +9,11 @@ the model's EOS included, so both engines follow one rule). Ranks follow vLLM: t
 whose μ is at least the sampled token's (so 1 for the most likely token; ties rank it lower). Engines
 know nothing of gRPC, Redis or protobuf.
 
+An engine that can serve no more (its decode loop died or is stuck, vLLM's engine core is gone) says why
+in `failure()`, which the replica's health status follows (NOT_SERVING: an orchestrator restarts it),
+and fails its in-flight and new requests with `EngineDead` (UNAVAILABLE: the client retries elsewhere).
+One request that fails inside the engine ends with its own error; the others go on.
+
 Weight updates mid-generation: tokens after the update are sampled by the new weights. vLLM recomputes
 the in-flight requests' KV cache with them (pause with clear_cache); the torch reference engine keeps
 the cache the old weights wrote. Either way the record's μ is exactly what was sampled and its
@@ -27,6 +32,12 @@ import numpy as np
 
 from maskroll.client import sampling
 from maskroll.client.records import SamplingOptions
+
+
+class EngineDead(Exception):
+    """The engine can serve no more requests (its loop died or is stuck, or its core process is gone):
+    the replica must be restarted. Not a RuntimeError, so no load or request path mistakes it for bad
+    input; the RPC boundary answers UNAVAILABLE."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +174,12 @@ class Engine(abc.ABC):
         """The settings in effect once started. Not abstract: an engine that reports none (a test
         fake) shows the defaults, which say "not reported" where a real engine would say more."""
         return EngineSettings()
+
+    def failure(self) -> str | None:
+        """Why the engine can serve no more (dead or stuck), or None while it can. Polled by the replica's
+        health monitor about once a second, so it must be cheap; an engine may declare itself dead here
+        (a stuck loop), failing what is in flight with EngineDead."""
+        return None
 
     @abc.abstractmethod
     async def start(self) -> None: ...

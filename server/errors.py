@@ -2,7 +2,8 @@
 
 Server code raises the typed errors below (or lets anything else propagate); `rpc_boundary` wraps each
 servicer method, translates the exception into a status with a message naming the offending field, and
-reports the outcome to the metrics. `asyncio.CancelledError` (and `GeneratorExit`, how grpc closes an
+reports the outcome to the metrics. Every message a client sees passes through `redact` (a Redis URL's
+password never leaves the process). `asyncio.CancelledError` (and `GeneratorExit`, how grpc closes an
 abandoned stream) is recorded and re-raised, never swallowed: cancellation is how an abandoned stream
 aborts its engine request.
 """
@@ -18,7 +19,10 @@ from collections.abc import Callable
 
 import grpc
 
+from maskroll.client.redis_conn import redact
 from maskroll.client.wire import WireError
+
+from .engine import EngineDead
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +62,12 @@ class Unavailable(ServiceError):
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status a client sees for `exc`. Unknown exceptions are INTERNAL (and logged by the caller)."""
     if isinstance(exc, ServiceError):
-        return grpc.StatusCode[exc.code], str(exc)
+        return grpc.StatusCode[exc.code], redact(str(exc))
     if isinstance(exc, WireError):  # a payload that does not decode: the client sent it
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        return grpc.StatusCode.INVALID_ARGUMENT, redact(str(exc))
+    if isinstance(exc, EngineDead):  # this replica cannot serve; another one can
+        return grpc.StatusCode.UNAVAILABLE, redact(str(exc))
+    return grpc.StatusCode.INTERNAL, redact(f"internal error: {type(exc).__name__}: {exc}")
 
 
 # Called with (method, status code name, seconds) when an RPC ends, however it ends.

@@ -32,6 +32,7 @@ class JobRunner:
                 job_id=job.job_id,
                 group_id=job.group_id or job.job_id,
                 metadata=job.metadata,
+                run_id=job.run_id,  # every record of the job belongs to the run that submitted it
                 # Engine request ids must be unique even if this job is re-run here (reclaimed while a
                 # first attempt still winds down); rollout ids come from the job id, so a re-run yields
                 # duplicates.

@@ -1,8 +1,9 @@
 """`maskroll init-model DIR`: a seeded tiny Llama model with a byte-level tokenizer, in Hugging Face format.
 
 Owns the files of a local test/demo model: config.json, generation_config.json, model.safetensors (float32)
-and tokenizer.json + tokenizer_config.json. Both engines load the directory like any other Hugging Face
-model, so the whole stack runs with no model hub. Knows nothing of engines, serving or training.
+and tokenizer.json + tokenizer_config.json (with a chat template, so the OpenAI chat endpoint serves it).
+Both engines load the directory like any other Hugging Face model, so the whole stack runs with no model
+hub. Knows nothing of engines, serving or training.
 
 Layout of the vocabulary: token id b < 256 is the byte b; then <bos>, <eos>, <pad>. So any UTF-8 text
 round-trips and a token id is readable as a byte when debugging.
@@ -20,6 +21,21 @@ SPECIALS = ("<bos>", "<eos>", "<pad>")
 BOS_ID, EOS_ID, PAD_ID = NUM_BYTES, NUM_BYTES + 1, NUM_BYTES + 2
 VOCAB_SIZE = NUM_BYTES + len(SPECIALS)
 
+# ChatML-like, in plain bytes (the vocabulary has no room for new special tokens): "<|role|>\n" opens a
+# message, <eos> (the model's stop token) closes it; tools and tool calls as Qwen / Hermes spell them
+# (<tool_call>{"name": ..., "arguments": ...}</tool_call>), which the HTTP front end parses.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if tools %}<|tools|>\n{{ tools | tojson }}<eos>\n{% endif %}"
+    "{%- for message in messages %}<|{{ message.role }}|>\n"
+    "{% if message.content %}{{ message.content }}{% endif %}"
+    "{% for call in message.tool_calls or [] %}"
+    "<tool_call>{{ call.function | tojson }}</tool_call>"
+    "{% endfor %}"
+    "<eos>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
 # Hugging Face's default 0.02 makes the logits of a hidden-128 model nearly uniform (entropy 5.53 of
 # log V = 5.56 nats), which would make every logprob test trivial. 0.2 gives per-position entropies of
 # about 2.4-4.3 nats with the most likely token at ~0.2: peaked enough that top-k / top-p truncation
@@ -27,7 +43,7 @@ VOCAB_SIZE = NUM_BYTES + len(SPECIALS)
 INIT_STD = 0.2
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map, which the ByteLevel pre-tokenizer uses."""
     printable = [
         *range(ord("!"), ord("~") + 1),
@@ -48,7 +64,7 @@ def build_tokenizer():  # -> tokenizers.Tokenizer
     """Byte-level BPE with no merges: every byte is one token, id = byte value."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-    vocab = {char: b for b, char in _bytes_to_unicode().items()}
+    vocab = {char: b for b, char in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -178,6 +194,7 @@ def init_model(
             "pad_token": "<pad>",
             "model_max_length": max_len,
             "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE,
         },
     )
     return out

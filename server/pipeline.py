@@ -121,15 +121,18 @@ class Pipeline:
         group_id: str = "",
         metadata: Mapping[str, str] | None = None,
         engine_id: str = "",
+        run_id: str = "",
     ) -> Generation:
         """Validate a request and return it ready to run; raises InvalidArgument naming the field.
 
         prompt_ids: token ids [P] (any integer dtype; records carry int32). request_id: "" for a fresh
         one. job_id gives the rollout ids (a retried job yields the same ones); group_id "" is no group.
         engine_id: sample i runs as engine request f"{engine_id}-{i}", by default the request id; a
-        caller that may run the same request twice at once must pass a unique one."""
+        caller that may run the same request twice at once must pass a unique one. run_id: the training
+        run every record carries (a pull-mode job's; trainers refuse records of another run)."""
         # An id given as both request and job id (a pull-mode job) is named once, as job_id.
         validation.check_ids("" if request_id == job_id else request_id, job_id, group_id)
+        validation.check_metadata(metadata or {})
         prompt = np.asarray(prompt_ids)
         validation.check_prompt(prompt, self.caps)
         prompt = prompt.astype(np.int32, copy=False)  # in [0, vocab_size) by now, so the cast is exact
@@ -145,5 +148,6 @@ class Pipeline:
             semantics=semantics_for(params, engine=e.name, engine_version=e.version, model=e.model_id),
             replica_id=self.replica_id,
             group_size=options.n,
+            run_id=run_id,
         )
         return Generation(e, header, params, engine_id or request_id)

@@ -77,8 +77,10 @@ class RolloutPublisher:
             await asyncio.sleep(self.poll_s)
 
     async def publish_job_error(self, job: PromptJob, reason: str, stream: str | None = None) -> None:
-        """Tell the trainer a job cannot run (bad input), so its admission slot is released."""
+        """Tell the trainer a job cannot run (bad input, or dead-lettered), so its admission slot is
+        released. `stream`: a checked stream (validation.rollout_stream), default this publisher's; never
+        the job's own rollout_stream unchecked."""
         await self.redis.xadd(
-            stream or job.rollout_stream or self.stream,
+            stream or self.stream,
             {F_JOB_ERROR: wire.job_to_pb(job).SerializeToString(), F_REASON: reason[:1000]},
         )

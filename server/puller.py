@@ -1,25 +1,35 @@
-"""Pull mode: a replica consumes prompt jobs from the Redis prompt stream (ARCHITECTURE.md flow 2).
+"""Pull mode: a replica consumes prompt jobs from the Redis prompt stream (docs/architecture.md flow 2).
 
 All replicas read through one consumer group. A job is acked only after its records are published.
 Jobs left pending by a dead replica are reclaimed by survivors once idle for `claim_idle_s`
 (XAUTOCLAIM); a live replica keeps its running jobs' idle time low by re-claiming them (XCLAIM JUSTID),
 so slow generations are not stolen. Replicas register with a heartbeat key (TTL) so trainers can find
 them for weight updates. Knows nothing of engines: `run_job` turns a job into records.
+
+Hostile or broken input never stops the puller: a job naming a rollout stream outside the namespace's
+is rejected (`validation.rollout_stream`); a job that keeps failing for a reason that is not transient
+(a WRONGTYPE key, say), or whose replica keeps dying, is dead-lettered once Redis has delivered it
+`max_deliveries` times (the pending entry list counts them), and the trainer is told with a `job_error`
+so its admission slot is released. A consumer group that vanished (Redis flushed, or replaced by one
+without the AOF) is recreated. `supervise()` restarts `run()` with backoff after any other error, and
+`failure()` says why the replica cannot pull right now (its health turns NOT_SERVING meanwhile).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from maskroll.client import wire
 from maskroll.client.records import PromptJob, RolloutRecord
-from maskroll.client.redis_conn import REDIS_DOWN
+from maskroll.client.redis_conn import REDIS_DOWN, redact
 from maskroll.client.streams import (
     F_JOB,
     REPLICA_GROUP,
@@ -29,10 +39,20 @@ from maskroll.client.streams import (
     ensure_group,
 )
 
+from . import validation
+from .engine import EngineDead
+from .errors import InvalidArgument
 from .metrics import Metrics
-from .publisher import RolloutPublisher
+from .publisher import PublishTimeout, RolloutPublisher
 
 log = logging.getLogger("maskroll.puller")
+
+# Failures another attempt may not repeat: leave the job pending, never count them against it.
+TRANSIENT = (*REDIS_DOWN, PublishTimeout, EngineDead)
+# A Redis call of the loop (a 0.5 s blocking read) that has not returned after this long means the
+# prompt stream is unreachable: the client is still inside its retry budget, but health should know now.
+UNREACHABLE_AFTER_S = 5.0
+RESTART_BACKOFF_S = (1.0, 30.0)  # first and largest wait before run() is restarted after an error
 
 
 class JobRejected(ValueError):
@@ -56,6 +76,7 @@ class PromptPuller:
         heartbeat_ttl_s: float = 15.0,
         replica_info: Callable[[], dict] | None = None,
         metrics: Metrics | None = None,
+        max_deliveries: int = 10,
     ) -> None:
         self.metrics = metrics or publisher.metrics
         self.redis, self.keys, self.consumer = redis, keys, consumer
@@ -64,12 +85,46 @@ class PromptPuller:
         self.claim_idle_ms = int(claim_idle_s * 1000)
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.replica_info = replica_info or (lambda: {})
+        self.max_deliveries = max_deliveries
         self._active: dict[bytes, asyncio.Task] = {}
         self._stopping = asyncio.Event()
+        self._problem: str | None = None  # why the last attempt to take jobs failed; None once one works
+        self._call_since: float | None = None  # when the Redis call now in progress started
+
+    def failure(self) -> str | None:
+        """Why this replica cannot take jobs right now (Redis unreachable, the loop restarting after an
+        error), or None. Cheap: the health monitor polls it."""
+        since = self._call_since
+        if since is not None and (waited := time.monotonic() - since) > UNREACHABLE_AFTER_S:
+            return f"the prompt stream {self.keys.prompts} has not answered for {waited:.0f} s"
+        return self._problem
+
+    async def supervise(self) -> None:
+        """run() until stop(), restarted with exponential backoff after any error; every exit is logged."""
+        first, cap = RESTART_BACKOFF_S
+        wait = first
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            try:
+                await self.run()
+            except asyncio.CancelledError:
+                log.info("prompt puller cancelled")
+                raise
+            except Exception as exc:
+                self._problem = redact(f"the prompt puller failed: {type(exc).__name__}: {exc}")
+                if time.monotonic() - started > 10 * cap:  # it had been running fine: start over fast
+                    wait = first
+                log.error("prompt puller exited with an error; restarting in %.0f s", wait, exc_info=True)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), wait)
+                wait = min(wait * 2, cap)
+                continue
+            log.info("prompt puller stopped")
+            return
 
     async def run(self) -> None:
         """Until stop(): read or reclaim jobs while below `concurrency`, keep heartbeats fresh."""
-        await ensure_group(self.redis, self.keys.prompts, REPLICA_GROUP)
+        await self._redis(ensure_group(self.redis, self.keys.prompts, REPLICA_GROUP))
         beat = asyncio.create_task(self._heartbeat())
         next_claim = 0.0
         try:
@@ -80,35 +135,72 @@ class PromptPuller:
                     continue
                 try:
                     next_claim = await self._take_jobs(free, next_claim)
-                except REDIS_DOWN:
+                    if self._problem:
+                        log.info("prompt stream %s readable again", self.keys.prompts)
+                    self._problem = None
+                except REDIS_DOWN as e:
                     # The client already retried with backoff; keep trying: the replica recovers
                     # when Redis returns, and running jobs go on meanwhile.
-                    log.warning("prompt stream unreachable; retrying", exc_info=True)
+                    self._problem = redact(f"the prompt stream {self.keys.prompts} is unreachable: {e}")
+                    log.warning("%s; retrying", self._problem)
                     await asyncio.sleep(1.0)
+                except ResponseError as e:
+                    if "NOGROUP" not in str(e):
+                        raise
+                    # Redis lost the group (FLUSHALL, or a new Redis without the AOF): the jobs it held
+                    # are gone with it; recreate it and read what comes next.
+                    log.warning(
+                        "consumer group %r on %s is gone (Redis flushed or replaced?); recreating it",
+                        REPLICA_GROUP,
+                        self.keys.prompts,
+                    )
+                    await self._redis(ensure_group(self.redis, self.keys.prompts, REPLICA_GROUP))
         finally:
             beat.cancel()
             await asyncio.gather(beat, return_exceptions=True)
 
+    async def _redis(self, aw):
+        """Await one Redis call of the loop, timed for failure()."""
+        self._call_since = time.monotonic()
+        try:
+            return await aw
+        finally:
+            self._call_since = None
+
     async def _take_jobs(self, free: int, next_claim: float) -> float:
         """Reclaim idle jobs (at most every claim_idle/4) or read new ones; start a task per job."""
-        entries = []
+        entries, deliveries = [], {}
         if time.monotonic() >= next_claim:
             next_claim = time.monotonic() + max(0.5, self.claim_idle_ms / 4000)
-            _, claimed, *_ = await self.redis.xautoclaim(
-                self.keys.prompts, REPLICA_GROUP, self.consumer, self.claim_idle_ms, "0-0", count=free
+            _, claimed, *_ = await self._redis(
+                self.redis.xautoclaim(
+                    self.keys.prompts, REPLICA_GROUP, self.consumer, self.claim_idle_ms, "0-0", count=free
+                )
             )
-            entries = [e for e in claimed if e is not None]
+            entries = [e for e in claimed if e is not None and e[0] not in self._active]
             self.metrics.jobs_reclaimed.inc(len(entries))
+            for entry_id, _ in entries:  # reclaimed: delivered before, maybe many times (a poison job)
+                deliveries[entry_id] = await self._deliveries(entry_id)
         if not entries:
-            resp = await self.redis.xreadgroup(
-                REPLICA_GROUP, self.consumer, {self.keys.prompts: ">"}, count=free, block=500
+            resp = await self._redis(
+                self.redis.xreadgroup(
+                    REPLICA_GROUP, self.consumer, {self.keys.prompts: ">"}, count=free, block=500
+                )
             )
             entries = resp[0][1] if resp else []
         for entry_id, fields in entries:
             if entry_id not in self._active:
-                self._active[entry_id] = asyncio.create_task(self._handle(entry_id, fields))
+                n = deliveries.get(entry_id, 1)
+                self._active[entry_id] = asyncio.create_task(self._handle(entry_id, fields, n))
                 self.metrics.jobs_active.set(len(self._active))
         return next_claim
+
+    async def _deliveries(self, entry_id: bytes) -> int:
+        """How often Redis has delivered this entry (XREADGROUP and XAUTOCLAIM count, XCLAIM JUSTID not)."""
+        pending = await self._redis(
+            self.redis.xpending_range(self.keys.prompts, REPLICA_GROUP, entry_id, entry_id, 1)
+        )
+        return int(pending[0]["times_delivered"]) if pending else 1
 
     def stop(self) -> None:
         """Stop taking jobs; running ones finish (see drain)."""
@@ -126,7 +218,8 @@ class PromptPuller:
         await asyncio.gather(*pending, return_exceptions=True)
         return len(pending)
 
-    async def _handle(self, entry_id: bytes, fields: dict) -> None:
+    async def _handle(self, entry_id: bytes, fields: dict, deliveries: int = 1) -> None:
+        job = None
         try:
             try:
                 job = wire.decode_job(fields.get(F_JOB, b""))
@@ -134,25 +227,63 @@ class PromptPuller:
                 await self._dead_letter(entry_id, fields, str(e))
                 self.metrics.jobs.labels("malformed").inc()
                 return
+            if deliveries > self.max_deliveries:  # it never finished: each run failed or killed its replica
+                await self._give_up(entry_id, fields, job, f"delivered {deliveries} times and never finished")
+                return
+            stream = None
             try:
+                stream = validation.rollout_stream(job.rollout_stream, self.keys)
                 records = await self.run_job(job)
-            except JobRejected as e:
-                await self.publisher.publish_job_error(job, str(e))
+            except (JobRejected, InvalidArgument) as e:
+                # A job error goes where the records would have gone, unless that is what is wrong.
+                await self.publisher.publish_job_error(job, str(e), stream or self.publisher.stream)
                 await self._ack(entry_id)
                 self.metrics.jobs.labels("rejected").inc()
                 return
-            await self.publisher.publish(records, job.rollout_stream or None)
+            await self.publisher.publish(records, stream)
             await self._ack(entry_id)  # only after the records are safely in Redis
             self.metrics.jobs.labels("ok").inc()
         except asyncio.CancelledError:
             raise  # drain: the job stays pending and another replica (or we) reclaim it
-        except Exception:
-            # engine or Redis trouble: leave the job pending, it is reclaimed after the idle timeout
-            log.exception("job %s failed; left pending for redelivery", entry_id)
+        except TRANSIENT as e:
+            # Redis down, a full stream, a dead engine: leave the job pending for redelivery
+            log.warning("job %s failed: %s; left pending for redelivery", entry_id, redact(repr(e)))
             self.metrics.jobs.labels("error").inc()
+        except Exception as e:
+            self.metrics.jobs.labels("error").inc()
+            if job is None or deliveries < self.max_deliveries:
+                log.exception(
+                    "job %s failed (delivery %d of at most %d); left pending for redelivery",
+                    entry_id,
+                    deliveries,
+                    self.max_deliveries,
+                )
+            else:
+                await self._give_up_quietly(entry_id, fields, job, f"{type(e).__name__}: {e}", deliveries)
         finally:
             self._active.pop(entry_id, None)
             self.metrics.jobs_active.set(len(self._active))
+
+    async def _give_up_quietly(
+        self, entry_id: bytes, fields: dict, job: PromptJob, error: str, deliveries: int
+    ) -> None:
+        try:
+            await self._give_up(entry_id, fields, job, f"failed on delivery {deliveries}: {error}")
+        except Exception:  # Redis trouble: the job stays pending, the next delivery gives up again
+            log.exception("job %s: dead-lettering failed; left pending", entry_id)
+
+    async def _give_up(self, entry_id: bytes, fields: dict, job: PromptJob, why: str) -> None:
+        """Dead-letter a job that cannot succeed, telling the trainer (its admission slot is released).
+        The job error goes to the namespace's rollout stream, which the SDK reads."""
+        reason = redact(f"job {job.job_id} dead-lettered: {why}")
+        try:
+            await self.publisher.publish_job_error(job, reason, self.publisher.stream)
+        except REDIS_DOWN:
+            raise  # try again on the next delivery
+        except Exception:  # the stream itself is broken (WRONGTYPE): the dead letter still records it
+            log.exception("job %s: the job error could not be published", job.job_id)
+        await self._dead_letter(entry_id, fields, reason)
+        self.metrics.jobs.labels("dead_lettered").inc()
 
     async def _ack(self, entry_id: bytes) -> None:
         pipe = self.redis.pipeline(transaction=True)

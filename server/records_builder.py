@@ -72,6 +72,7 @@ class RecordHeader:
     semantics: Semantics
     replica_id: str
     group_size: int = 1  # samples of this request / job (n)
+    run_id: str = ""  # the training run the records belong to (the job's; docs/records.md)
 
 
 def build_record(
@@ -112,6 +113,7 @@ def build_record(
         replica_id=header.replica_id,
         created_at=created_at,
         group_size=header.group_size,
+        run_id=header.run_id,
     )
 
 

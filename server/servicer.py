@@ -11,26 +11,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from maskroll.client import wire
 from maskroll.client._proto import rollout_pb2 as pb
 from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
-from maskroll.client.records import LOGPROBS_MODE, ServerInfo, WeightsUpdateResult
+from maskroll.client.records import LOGPROBS_MODE, ServerInfo, WeightsUpdate, WeightsUpdateResult
+from maskroll.client.streams import StreamKeys
 
-from . import weights
+from . import validation, weight_sources, weight_stream, weights
 from .config import ServerConfig
 from .engine import Engine
 from .errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    ServiceError,
     Unavailable,
-    Unimplemented,
     rpc_boundary,
 )
 from .metrics import Metrics
 from .pipeline import Generation, Pipeline
 from .publisher import RolloutPublisher
+
+log = logging.getLogger("maskroll.weights")
 
 
 def maskroll_version() -> str:
@@ -55,12 +59,16 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._config = config
         self._metrics = metrics
         self._pipeline = Pipeline(engine, config)
+        self._keys = StreamKeys(config.namespace)  # a Generate may publish to its rollout streams only
         self._caps = self._pipeline.caps
         self._active: dict[str, Generation] = {}  # request_id -> the running request, for drain and dedup
         self._idle = asyncio.Event()
         self._idle.set()
         self._weights_lock = asyncio.Lock()  # one UpdateWeights at a time: versions must increase
         self._updates: set[asyncio.Task] = set()  # running updates (a task needs a strong reference)
+        # The training run of the weights served ("" = the starting weights, or a client without runs):
+        # the version rule is per run (docs/records.md, "Runs"), and Generate's records carry it.
+        self._run_id = ""
         self._draining = False
         metrics.policy_version.set(engine.policy_version)
 
@@ -73,6 +81,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         if self._draining:
             raise Unavailable("the server is draining; send the request to another replica")
+        if failure := self._engine.failure():
+            raise Unavailable(
+                f"this replica's engine is out of service ({failure}); send the request to another "
+                "replica (this one needs a restart)"
+            )
         gen = self._pipeline.prepare(
             wire.prompt_from_pb(request),
             wire.options_from_pb(request.options),
@@ -80,12 +93,16 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             job_id=request.job_id,
             group_id=request.group_id,
             metadata=request.metadata,
+            run_id=self._run_id,
         )
-        if request.rollout_stream and self._publisher is None:
-            raise FailedPrecondition("rollout_stream needs a server started with redis_url")
+        stream = None
+        if request.rollout_stream:
+            if self._publisher is None:
+                raise FailedPrecondition("rollout_stream needs a server started with redis_url")
+            stream = validation.rollout_stream(request.rollout_stream, self._keys)
         if gen.request_id in self._active:
             raise AlreadyExists(f"request_id {gen.request_id!r} is already in flight on this replica")
-        finished = []  # records, published to request.rollout_stream once the request is complete
+        finished = []  # records, published to `stream` once the request is complete
         arrays = request.include_record_arrays
         tracker = self._metrics.generate_started(gen.params.logprobs_k)
         self._track(gen)
@@ -97,8 +114,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                         finished.append(chunk.record)
                     yield wire.chunk_to_pb(chunk, record_arrays=arrays)
             # A group with aborted samples would never be whole on the queue: it is not published.
-            if request.rollout_stream and all(r.finish_reason != "abort" for r in finished):
-                await self._publisher.publish(finished, request.rollout_stream)
+            if stream and all(r.finish_reason != "abort" for r in finished):
+                await self._publisher.publish(finished, stream)
         finally:
             self._untrack(gen.request_id)
             tracker.done()
@@ -117,34 +134,123 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     @rpc_boundary("UpdateWeights")
     async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context) -> pb.UpdateWeightsResponse:
         update = wire.update_from_pb(request)
-        if update.collective:
-            raise Unimplemented("collective (NCCL) weight updates are not implemented; send a checkpoint")
-        if update.checkpoint_dir is None:
-            raise InvalidArgument("source is not set; give checkpoint.path")
-        if self._draining:
-            raise Unavailable("the server is draining")
-        path = weights.resolve_checkpoint(update.checkpoint_dir, self._config.weights_root)
+        try:
+            if self._draining:
+                raise Unavailable("the server is draining")
+            if update.collective:
+                source = weight_sources.CollectiveSource(wire.collective_from_pb(request))
+                if source.spec.init:  # the rendezvous: join the trainer's group, no version change
+                    await weight_sources.join_collective(self._engine, source)
+                    joined = WeightsUpdateResult(self._engine.policy_version, 0.0, paused_requests=0)
+                    return wire.update_result_to_pb(joined)
+            elif update.checkpoint_dir is None:
+                raise InvalidArgument("source is not set; give checkpoint.path")
+            else:
+                path = weights.resolve_checkpoint(update.checkpoint_dir, self._config.weights_root)
+                source = weight_sources.DirectorySource(path)
+        except ServiceError as exc:
+            _log_refused(update, exc)
+            raise
+        return wire.update_result_to_pb(await self._run_update(update, source))
+
+    @rpc_boundary("PushWeights")
+    async def PushWeights(self, request_iterator, context) -> pb.UpdateWeightsResponse:
+        """UpdateWeights with the tensors in the call (server/weight_stream.py): the version rule is
+        checked on the manifest, before any byte is received, and again when the load begins."""
+        try:
+            first = await anext(request_iterator)
+        except StopAsyncIteration:
+            raise InvalidArgument("PushWeights ended before its manifest") from None
+        try:
+            manifest = wire.manifest_from_pb(first)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from e
+        update = WeightsUpdate(version=manifest.version, checkpoint_dir="(push)", run_id=manifest.run_id)
+        try:
+            if self._draining:
+                raise Unavailable("the server is draining")
+            self._check_version(update)
+            # When the client goes away (a deadline, a dropped connection) the request iterator may
+            # wait on: end the receiving task then, so the partial file goes at once.
+            receiving = asyncio.current_task()
+            context.add_done_callback(lambda _: receiving is not None and receiving.cancel())
+            try:
+                directory = await weight_stream.receive(manifest, request_iterator)
+            finally:
+                receiving = None
+        except ServiceError as exc:
+            _log_refused(update, exc)
+            raise
+        source = weight_sources.StreamedSource(directory, manifest)
+        return wire.update_result_to_pb(await self._run_update(update, source))
+
+    @property
+    def weights_served(self) -> tuple[str, int]:
+        """(run id, policy version) of the weights this replica serves ("" = its starting weights)."""
+        return self._run_id, self._engine.policy_version
+
+    async def load_source(
+        self, update: WeightsUpdate, source: weight_sources.WeightSource
+    ) -> WeightsUpdateResult:
+        """An update decided inside the replica (joining the run at start-up, server/app.py): the
+        rules of the RPCs, without one."""
+        self._check_version(update)
+        return await self._run_update(update, source)
+
+    async def _run_update(
+        self, update: WeightsUpdate, source: weight_sources.WeightSource
+    ) -> WeightsUpdateResult:
         # Once begun, an update runs to its end even if the caller goes away (deadline, disconnect): a
         # load cancelled halfway would leave the weights and the version to chance. The caller's own
         # cancellation still propagates through the shield.
-        task = asyncio.ensure_future(self._update_weights(update.version, path))
+        task = asyncio.ensure_future(self._update_weights(update, source))
         self._updates.add(task)
         task.add_done_callback(self._update_done)
-        return wire.update_result_to_pb(await asyncio.shield(task))
+        return await asyncio.shield(task)
 
     def _update_done(self, task: asyncio.Task) -> None:
         self._updates.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: an orphaned update's error already went to its (gone) caller
 
-    async def _update_weights(self, version: int, path) -> WeightsUpdateResult:
-        async with self._weights_lock:
-            current = self._engine.policy_version
-            if version <= current:
-                raise FailedPrecondition(
-                    f"version {version} must be greater than the current policy version {current}"
-                )
-            paused, seconds = await weights.load_checkpoint(self._engine, version, path)
+    def _check_version(self, update: WeightsUpdate) -> None:
+        """The version rule, per run: within the run the replica serves, versions increase; a version of
+        another run is a reload (any version >= 0: a new run starts again from 0 or 1). An update without
+        a run id (a client older than runs) must be greater than the current version."""
+        version, current, run = update.version, self._engine.policy_version, self._run_id
+        if version < 0:
+            raise InvalidArgument(f"version {version} is negative")
+        if (not update.run_id or update.run_id == run) and version <= current:
+            of_run = f" of run {run}" if run else ""
+            raise FailedPrecondition(
+                f"version {version} must be greater than the current policy version {current}{of_run}"
+            )
+
+    async def _update_weights(
+        self, update: WeightsUpdate, source: weight_sources.WeightSource
+    ) -> WeightsUpdateResult:
+        version = update.version
+        try:
+            async with self._weights_lock:
+                current, run = self._engine.policy_version, self._run_id
+                self._check_version(update)  # again: another update may have won the lock meanwhile
+                paused, seconds = await weight_sources.load(self._engine, version, source)
+                self._run_id = update.run_id
+        except ServiceError as exc:
+            _log_refused(update, exc, source)
+            raise
+        finally:
+            weight_sources.release(source)  # the spool file of a push: loaded or refused, it goes
+        log.info(
+            "weights: loaded version %d of run %s (was %d of run %s) from %s in %.2f s, %d requests paused",
+            version,
+            update.run_id or "-",
+            current,
+            run or "-",
+            source.describe(),
+            seconds,
+            paused,
+        )
         self._metrics.weight_update.observe(seconds)
         self._metrics.policy_version.set(self._engine.policy_version)
         return WeightsUpdateResult(
@@ -173,6 +279,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             logprobs_mode=LOGPROBS_MODE,
             replica_id=self._config.replica_id,
             max_message_bytes=self._config.max_message_bytes,
+            run_id=self._run_id,
             **vars(e.settings),  # EngineSettings and ServerInfo name the engine's settings alike
         )
 
@@ -200,3 +307,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         """End every in-flight Generate now: each unfinished sample gets a record with finish_reason abort."""
         for gen in self._active.values():
             gen.abort()
+
+
+def _log_refused(update: WeightsUpdate, exc: ServiceError, source=None) -> None:
+    log.warning(
+        "weights: refused version %d of run %s from %s: %s %s",
+        update.version,
+        update.run_id or "-",
+        source.describe() if source is not None else update.checkpoint_dir,
+        exc.code,
+        exc,
+    )

@@ -4,10 +4,19 @@ Owns one decode thread. At every step it applies pending weight updates and canc
 arrived requests (each prefilled alone, then merged into the batch's KV cache), and runs ONE forward
 for all active sequences: a left-padded batch whose 2-D attention mask hides the padding and whose
 explicit position ids count only a row's real tokens, so a row's logits do not depend on which other
-rows share its batch (to float rounding). Sampling uses the processed distribution μ of MATH.md §6 —
+rows share its batch (to float rounding). Sampling uses the processed distribution μ of docs/math.md §6 —
 `processed_chunk` (temperature, then top-k, then top-p, as vLLM) and log_softmax — with one
 `torch.Generator` per request, so a seed fixes the tokens whatever the batch. Results cross to the
 asyncio side through `loop.call_soon_threadsafe` into a per-request queue.
+
+Failure isolation: a request whose prefill, sampling or bookkeeping fails ends with that error and the
+others go on (a sampling group that fails is retried row by row to find the culprit; a row whose μ is
+not a distribution — NaN logits — fails alone). A failed batched forward ends the batch's requests and
+the engine serves on. Only an error outside any request (a weight copy that fails halfway, a bug in the
+loop itself) or a forward stuck for `stall_timeout_s` ends the engine: `failure()` then says why, and
+every in-flight and later request fails with EngineDead. Sampling parameters the float32 arithmetic of
+μ cannot represent (a temperature so small that ℓ / T overflows) are refused up front, and checkpoints
+with non-finite tensors are refused before any weight changes.
 
 The model forward never runs on the event loop. This module knows nothing of gRPC, Redis or protobuf.
 Written against the transformers 5 cache API (`DynamicCache.layers[i].keys`); see `_kv`.
@@ -20,7 +29,9 @@ import collections
 import concurrent.futures
 import contextlib
 import inspect
+import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +43,7 @@ import torch.nn.functional as F
 from ..trainer_adapter.processed import Workspace, processed_chunk
 from .engine import (
     Engine,
+    EngineDead,
     EngineLimits,
     EngineOutput,
     EngineRequest,
@@ -42,10 +54,24 @@ from .engine import (
 )
 
 Tensor = torch.Tensor
+log = logging.getLogger(__name__)
+
+# μ is computed in float32 whatever the model's dtype (`_forward` upcasts the logits): ℓ / T must stay
+# finite for every logit a model produces. Logits beyond ±1e4 do not occur in practice, so a temperature
+# below 1e4 / float32 max (≈ 2.9e-35) is refused; a row that overflows anyway fails alone (SamplingError).
+MAX_LOGIT = 1e4
+MIN_TEMPERATURE = MAX_LOGIT / torch.finfo(torch.float32).max
+# A forward that takes longer than this means the decode loop is stuck (a hung device, a deadlock): the
+# engine declares itself dead so that health turns NOT_SERVING and an orchestrator restarts the replica.
+STALL_TIMEOUT_S = 300.0
 
 
 class EngineClosed(RuntimeError):
     """The engine was closed while the request was in flight."""
+
+
+class SamplingError(RuntimeError):
+    """One request's next-token distribution is not a distribution (NaN or +inf logits)."""
 
 
 @dataclass(eq=False)  # identity semantics: handles live in sets
@@ -124,6 +150,7 @@ class TorchEngine(Engine):
         threads: int | None = None,
         max_model_len: int | None = None,
         seed: int = 0,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
     ) -> None:
         import transformers
 
@@ -161,6 +188,15 @@ class TorchEngine(Engine):
         self._updates: list[_Update] = []
         self._stopping = False
         self._num_active = 0
+        self._dead: str | None = None  # why the engine serves no more; set once, never cleared
+        # Every request not yet released and every update not yet answered, wherever it is (queued, in
+        # the decode thread's hands, in the batch): what a dying engine must fail. Guarded by _cv.
+        self._live: set[_Handle] = set()
+        self._live_updates: list[_Update] = []
+        self._stall_timeout_s = float(stall_timeout_s)
+        # Written by the decode thread, read by failure(): when the running iteration last made progress
+        # (a forward finished); None while the thread waits for work.
+        self._beat: float | None = None
         # Owned by the decode thread.
         self._rows: list[_Handle] = []  # batch order = KV cache row order
         self._cache = None  # DynamicCache over the rows, or None when empty
@@ -192,6 +228,17 @@ class TorchEngine(Engine):
         with self._cv:
             return self._num_active
 
+    def failure(self) -> str | None:
+        if self._dead is not None:
+            return self._dead
+        thread = self._thread
+        if thread is not None and not thread.is_alive() and not self._stopping:
+            self._die("the decode thread exited")
+        beat = self._beat
+        if beat is not None and time.monotonic() - beat > self._stall_timeout_s:
+            self._die(f"the decode loop is stuck: no forward finished for {self._stall_timeout_s:g} s")
+        return self._dead
+
     async def start(self) -> None:
         if self._thread is not None:
             return
@@ -205,7 +252,8 @@ class TorchEngine(Engine):
             self._stopping = True
             self._cv.notify_all()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+            # A stuck thread (a dead engine) may never return: it is a daemon, so do not wait for it.
+            await asyncio.to_thread(self._thread.join, 5.0 if self._dead else None)
             self._thread = None
         err = EngineClosed("engine closed")
         with self._cv:
@@ -228,6 +276,9 @@ class TorchEngine(Engine):
             gen.manual_seed(int(request.params.seed))
         handle = _Handle(request, asyncio.get_running_loop(), asyncio.Queue(), gen)
         with self._cv:
+            if self._dead is not None:
+                raise self._dead_error()
+            self._live.add(handle)
             self._pending.append(handle)
             self._num_active += 1
             self._cv.notify_all()
@@ -257,9 +308,14 @@ class TorchEngine(Engine):
     async def update_weights(self, version: int, checkpoint_dir: Path) -> int:
         if self._thread is None:
             raise RuntimeError("engine not started")
-        tensors = await asyncio.to_thread(self._read_checkpoint, Path(checkpoint_dir))
+        if self._dead is not None:
+            raise self._dead_error()
+        tensors = await asyncio.to_thread(self._read_checkpoint, checkpoint_dir)
         update = _Update(int(version), tensors)
         with self._cv:
+            if self._dead is not None:
+                raise self._dead_error()
+            self._live_updates = [u for u in self._live_updates if not u.future.done()] + [update]
             self._updates.append(update)
             self._cv.notify_all()
         return await asyncio.wrap_future(update.future)
@@ -270,6 +326,35 @@ class TorchEngine(Engine):
         """Cheap checks that keep a bad request from failing inside the shared batch (the servicer has
         already validated; this is the engine's own guard)."""
         check_request(request, self._limits)
+        t = request.params.temperature
+        if t < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be >= {MIN_TEMPERATURE:.3g} for the torch engine, got {t:g}: it computes "
+                f"the processed logits ℓ / T in float32, where a smaller T overflows for logits up to "
+                f"±{MAX_LOGIT:g}"
+            )
+
+    def _dead_error(self) -> EngineDead:
+        return EngineDead(f"the torch engine is out of service ({self._dead}); restart the replica")
+
+    def _die(self, reason: str) -> None:
+        """The engine serves no more: fail everything queued or running, refuse what comes. Callable from
+        either side (a stuck decode thread is declared dead from the event loop)."""
+        with self._cv:
+            if self._dead is not None:
+                return
+            self._dead = reason
+            self._pending.clear()
+            self._updates.clear()
+            handles, updates = list(self._live), list(self._live_updates)
+            self._cv.notify_all()
+        log.error("torch engine: %s; failing %d requests, refusing new ones", reason, len(handles))
+        err = self._dead_error()
+        for handle in handles:
+            self._finish(handle, err)
+        for update in updates:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                update.future.set_exception(err)
 
     def _abort(self, handle: _Handle) -> None:
         with self._cv:
@@ -292,20 +377,23 @@ class TorchEngine(Engine):
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         return model
 
-    def _read_checkpoint(self, directory: Path) -> dict[str, Tensor]:
-        """All *.safetensors of the directory, checked strictly against the model's state dict. Runs off
-        the decode thread and changes nothing, so a bad checkpoint leaves the model as it was."""
-        from safetensors.torch import load_file
+    def _read_checkpoint(self, checkpoint) -> dict[str, Tensor]:
+        """All *.safetensors of the checkpoint (a `weights.Checkpoint`, or a trusted directory), read
+        through the files `weights` checked (no symlink followed, inode unchanged) and checked strictly
+        against the model's state dict, finite values included. Runs off the decode thread and changes
+        nothing, so a bad checkpoint leaves the model as it was."""
+        from . import weights
 
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"no *.safetensors files in {directory}")
+        checkpoint = weights.checkpoint_of(checkpoint)
+        directory = checkpoint.path
         tensors: dict[str, Tensor] = {}
-        for f in files:
-            for key, t in load_file(str(f)).items():
-                if key in tensors:
-                    raise ValueError(f"{key!r} appears in more than one file of {directory}")
-                tensors[key] = t
+        with weights.open_checked(checkpoint) as opened:
+            for f, fd in opened:
+                # plain reads, no mmap: the update holds one copy of the weights (docs/architecture.md)
+                for key, t in weights.read_safetensors(fd, str(f.real)):
+                    if key in tensors:
+                        raise ValueError(f"{key!r} appears in more than one file of {directory}")
+                    tensors[key] = t
         state = self._model.state_dict()
         unexpected = sorted(set(tensors) - set(state))
         if unexpected:
@@ -324,51 +412,85 @@ class TorchEngine(Engine):
                 )
             if not t.is_floating_point():
                 raise ValueError(f"{key!r} has dtype {t.dtype}; expected a floating-point tensor")
-            tensors[key] = t.to(device=self._device, dtype=state[key].dtype)
+            cast = t.to(device=self._device, dtype=state[key].dtype)
+            # After the cast: a float32 value beyond float16's range becomes inf here. One NaN weight
+            # makes every logit NaN, so the whole checkpoint is refused and the old weights serve on.
+            bad = int(cast.numel() - torch.isfinite(cast).sum())
+            if bad:
+                cast_note = f" after the cast to {cast.dtype}" if cast.dtype != t.dtype else ""
+                raise ValueError(
+                    f"{key!r} in {directory} has {bad} non-finite values (NaN or inf{cast_note}); "
+                    "refused, the current weights are kept"
+                )
+            tensors[key] = cast
         return tensors
 
     # ---- decode thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        if self._threads:
-            torch.set_num_threads(self._threads)
-        with torch.no_grad():
-            while True:
-                with self._cv:
-                    while not (
-                        self._stopping
-                        or self._updates
-                        or self._cancelled
-                        or self._rows
-                        or (self._pending and len(self._rows) < self._max_batch)
-                    ):
-                        self._cv.wait()
-                    if self._stopping:
-                        return
-                    updates, self._updates = self._updates, []
-                    cancelled, self._cancelled = self._cancelled, set()
-                    room = self._max_batch - len(self._rows) + len(cancelled & set(self._rows))
-                    admit = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
-                for update in updates:
-                    self._apply_update(update)
-                if cancelled:
+        try:
+            if self._threads:
+                torch.set_num_threads(self._threads)
+            with torch.no_grad():
+                self._loop()
+        except BaseException as exc:  # outside any one request: the engine cannot go on
+            log.critical("torch engine: the decode loop died", exc_info=True)
+            self._die(f"the decode loop died: {type(exc).__name__}: {exc}")
+        finally:
+            self._beat = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._beat = None  # waiting for work is not a stall
+                while not (
+                    self._stopping
+                    or self._dead is not None
+                    or self._updates
+                    or self._cancelled
+                    or self._rows
+                    or (self._pending and len(self._rows) < self._max_batch)
+                ):
+                    self._cv.wait()
+                if self._stopping or self._dead is not None:
+                    return
+                self._beat = time.monotonic()
+                updates, self._updates = self._updates, []
+                cancelled, self._cancelled = self._cancelled, set()
+                room = self._max_batch - len(self._rows) + len(cancelled & set(self._rows))
+                admit = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+            for update in updates:
+                self._apply_update(update)
+            if cancelled:
+                try:
                     self._drop(cancelled)
-                for handle in admit:
-                    self._admit(handle)
-                if self._rows:
-                    try:
-                        self._step()
-                    except Exception as exc:  # the thread/asyncio boundary: fail the batch, keep serving
-                        rows = set(self._rows)
-                        for handle in rows:
-                            self._finish(handle, exc)
-                        self._drop(rows)
+                except Exception as exc:  # the batch's cache is in an unknown state: end its requests
+                    self._fail_batch(exc)
+            for handle in admit:
+                self._admit(handle)
+            if self._rows:
+                try:
+                    self._step()
+                except Exception as exc:  # the thread/asyncio boundary: fail the batch, keep serving
+                    self._fail_batch(exc)
+
+    def _fail_batch(self, exc: Exception) -> None:
+        log.warning("torch engine: a batch of %d requests failed: %r", len(self._rows), exc)
+        for handle in self._rows:
+            self._finish(handle, exc)
+        self._rows, self._cache, self._mask = [], None, None
 
     def _apply_update(self, update: _Update) -> None:
-        # Between steps: every token sampled after this line sees the new weights and version.
-        state = self._model.state_dict()
-        for key, t in update.tensors.items():
-            state[key].copy_(t)
+        # Between steps: every token sampled after this line sees the new weights and version. The
+        # tensors were checked (names, shapes, dtypes, finite) when read, so a copy does not fail on
+        # content; one that fails anyway leaves the weights half-updated, so the engine must stop.
+        try:
+            state = self._model.state_dict()
+            for key, t in update.tensors.items():
+                state[key].copy_(t)
+        except BaseException as exc:
+            update.future.set_exception(EngineDead(f"the weight update failed halfway: {exc}"))
+            raise
         self._version = update.version
         with self._cv:
             in_flight = self._num_active
@@ -378,21 +500,25 @@ class TorchEngine(Engine):
         cache = kwargs.pop("cache")
         out = self._model(**kwargs, **{self._cache_kw: cache}, use_cache=True)
         self.forward_calls += 1
+        self._beat = time.monotonic()
         return out.logits[:, -1, :].float()
 
     def _admit(self, handle: _Handle) -> None:
         """Prefill alone (no padding, so no fully-masked query rows), sample the first token, then merge
         the row's KV into the batch cache by left-padding whichever side is shorter."""
+        try:
+            self._admit_one(handle)
+        except Exception as exc:  # only this request fails; the batch state is assigned last
+            log.warning("torch engine: request %s failed at admission: %r", handle.request.request_id, exc)
+            self._finish(handle, exc)
+
+    def _admit_one(self, handle: _Handle) -> None:
         from transformers import DynamicCache
 
-        try:
-            prompt = np.asarray(handle.request.prompt_ids, np.int64)
-            ids = torch.as_tensor(prompt, device=self._device)[None]  # [1, P]
-            cache = DynamicCache()
-            logits = self._forward(input_ids=ids, cache=cache)  # [1, V]
-        except Exception as exc:  # only this request fails
-            self._finish(handle, exc)
-            return
+        prompt = np.asarray(handle.request.prompt_ids, np.int64)
+        ids = torch.as_tensor(prompt, device=self._device)[None]  # [1, P]
+        cache = DynamicCache()
+        logits = self._forward(input_ids=ids, cache=cache)  # [1, V]
         handle.cached = ids.shape[1]
         if self._emit([handle], logits):
             return
@@ -436,52 +562,101 @@ class TorchEngine(Engine):
 
     def _emit(self, rows: list[_Handle], logits: Tensor) -> set[_Handle]:
         """Sample each row from μ = log_softmax(processed(logits)), deliver the token, and return the rows
-        that finished. Rows are grouped by (top_k, top_p) because processed_chunk takes them as scalars;
-        every operation is per row, so grouping does not change a row's numbers."""
+        that finished (or failed). Rows are grouped by (top_k, top_p) because processed_chunk takes them
+        as scalars; every operation is per row, so grouping does not change a row's numbers. A group that
+        fails is sampled again row by row: only the row that fails alone ends with the error."""
         groups: dict[tuple[int, float], list[int]] = {}
         for i, h in enumerate(rows):
             groups.setdefault((h.params.top_k, h.params.top_p), []).append(i)
         finished: set[_Handle] = set()
         for (top_k, top_p), idx in groups.items():
-            sub = logits[idx]  # [c, V]
-            temp = torch.tensor([rows[i].params.temperature for i in idx], dtype=torch.float64)  # [c]
-            x = processed_chunk(sub, temp.to(sub.device), top_k, top_p, self._work)  # [c, V], reused buffer
-            mu = x.log_softmax(dim=-1)  # [c, V]
-            probs = mu.exp()
-            tokens = torch.cat(
-                [torch.multinomial(probs[j], 1, generator=rows[i].generator) for j, i in enumerate(idx)]
-            )  # [c]
-            sampled = mu.gather(1, tokens[:, None])  # [c, 1]
-            ranks = (mu >= sampled).sum(dim=1)  # [c], vLLM's convention: ties rank the sampled token lower
-            kmax = max(rows[i].params.logprobs_k for i in idx)
-            top = mu.topk(kmax, dim=-1, sorted=True)  # [c, kmax]
-            top_ids = top.indices.to(torch.int32).cpu().numpy()
-            top_lp = top.values.cpu().numpy()
-            tokens_l, sampled_l, ranks_l = tokens.tolist(), sampled[:, 0].tolist(), ranks.tolist()
-            for j, i in enumerate(idx):
+            try:
+                finished |= self._sample(rows, idx, logits, top_k, top_p)
+                continue
+            except Exception as exc:
+                if len(idx) == 1:
+                    self._fail_row(rows[idx[0]], exc, finished)
+                    continue
+            for i in idx:
+                try:
+                    finished |= self._sample(rows, [i], logits, top_k, top_p)
+                except Exception as exc:
+                    self._fail_row(rows[i], exc, finished)
+        return finished
+
+    def _fail_row(self, handle: _Handle, exc: Exception, finished: set[_Handle]) -> None:
+        log.warning("torch engine: request %s failed while sampling: %r", handle.request.request_id, exc)
+        self._finish(handle, exc)
+        finished.add(handle)
+
+    def _sample(
+        self, rows: list[_Handle], idx: list[int], logits: Tensor, top_k: int, top_p: float
+    ) -> set[_Handle]:
+        """Sample rows `idx` (one (top_k, top_p) group) and deliver their tokens; returns the rows that
+        finished or failed. Nothing of a row's state changes before every tensor operation succeeded, so
+        a group that raises can be sampled again row by row (those rows then draw again from their
+        generators: after a failure a seeded row's tokens may differ from a run without it)."""
+        sub = logits[idx]  # [c, V]
+        temp = torch.tensor([rows[i].params.temperature for i in idx], dtype=torch.float64)  # [c]
+        x = processed_chunk(sub, temp.to(sub.device), top_k, top_p, self._work)  # [c, V], reused buffer
+        mu = x.log_softmax(dim=-1)  # [c, V]
+        # A valid row's largest log μ is finite (≥ -log V); NaN or +inf logits make it NaN (amax
+        # propagates NaN). Such a row fails alone instead of multinomial failing the whole group.
+        ok = torch.isfinite(mu.amax(dim=-1)).tolist()  # [c]
+        finished: set[_Handle] = set()
+        for j, i in enumerate(idx):
+            if not ok[j]:
                 h = rows[i]
-                k = h.params.logprobs_k
-                h.generated += 1
-                h.next_token = tokens_l[j]
-                finish = None
-                if tokens_l[j] in h.params.stop_token_ids:
-                    finish = "stop"
-                elif h.generated >= h.params.max_tokens or h.cached + 1 >= self._limits.max_model_len:
-                    finish = "length"  # cached + 1 = prompt + completion tokens so far
-                tok = _Token(
-                    tokens_l[j],
-                    sampled_l[j],
-                    ranks_l[j],
-                    top_ids[j, :k].copy(),
-                    top_lp[j, :k].copy(),
-                    self._version,
-                    finish,
+                self._fail_row(
+                    h,
+                    SamplingError(
+                        f"request {h.request.request_id}: the next-token distribution is not finite at "
+                        f"completion token {h.generated} (NaN or inf logits: broken weights or "
+                        f"activations, or temperature {h.params.temperature:g} overflowing float32)"
+                    ),
+                    finished,
                 )
-                if finish is not None:
-                    finished.add(h)
-                    self._finish(h, tok)
-                else:
-                    self._deliver(h, tok)
+        good = [j for j in range(len(idx)) if ok[j]]
+        if not good:
+            return finished
+        if len(good) < len(idx):
+            idx, mu = [idx[j] for j in good], mu[good]
+        probs = mu.exp()
+        tokens = torch.cat(
+            [torch.multinomial(probs[j], 1, generator=rows[i].generator) for j, i in enumerate(idx)]
+        )  # [c]
+        sampled = mu.gather(1, tokens[:, None])  # [c, 1]
+        ranks = (mu >= sampled).sum(dim=1)  # [c], vLLM's convention: ties rank the sampled token lower
+        kmax = max(rows[i].params.logprobs_k for i in idx)
+        top = mu.topk(kmax, dim=-1, sorted=True)  # [c, kmax]
+        top_ids = top.indices.to(torch.int32).cpu().numpy()
+        top_lp = top.values.cpu().numpy()
+        tokens_l, sampled_l, ranks_l = tokens.tolist(), sampled[:, 0].tolist(), ranks.tolist()
+        # Delivery: plain Python, after every tensor operation succeeded.
+        for j, i in enumerate(idx):
+            h = rows[i]
+            k = h.params.logprobs_k
+            h.generated += 1
+            h.next_token = tokens_l[j]
+            finish = None
+            if tokens_l[j] in h.params.stop_token_ids:
+                finish = "stop"
+            elif h.generated >= h.params.max_tokens or h.cached + 1 >= self._limits.max_model_len:
+                finish = "length"  # cached + 1 = prompt + completion tokens so far
+            tok = _Token(
+                tokens_l[j],
+                sampled_l[j],
+                ranks_l[j],
+                top_ids[j, :k].copy(),
+                top_lp[j, :k].copy(),
+                self._version,
+                finish,
+            )
+            if finish is not None:
+                finished.add(h)
+                self._finish(h, tok)
+            else:
+                self._deliver(h, tok)
         return finished
 
     def _finish(self, handle: _Handle, last: _Token | BaseException) -> None:
@@ -495,6 +670,7 @@ class TorchEngine(Engine):
                 if not h.done:
                     h.done = True
                     self._num_active -= 1
+                    self._live.discard(h)
 
     def _drop(self, handles: set[_Handle]) -> None:
         """Remove rows from the batch and trim left-padding columns no remaining row needs."""

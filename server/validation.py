@@ -4,22 +4,34 @@ Pure functions on domain objects (no gRPC, no engine calls): every rule of "bad 
 wedges the server" lives here, and each failure is an `InvalidArgument` whose message starts with the
 offending field's wire name, e.g. "options.temperature must be finite and > 0, got nan". The sampling
 option rules themselves are the SDK's (`maskroll.client.sampling`), applied here with the server's limits.
+Also bounded here: metadata (copied into every record of the request) and the Redis stream a request
+may publish to (only the replica's own namespace's rollout streams).
 """
 
 from __future__ import annotations
 
+import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from maskroll.client import sampling
 from maskroll.client.records import SamplingOptions
+from maskroll.client.streams import StreamKeys
 
 from .engine import EngineLimits, EngineRequest, SamplingParams
 from .errors import InvalidArgument
 
 MAX_ID_CHARS = 256  # request / job / group ids end up in Redis keys, logs and metrics
+# Metadata is copied into every sample's record (n of them) and into Redis: a few labels, not a payload.
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_KEY_CHARS = 128
+MAX_METADATA_VALUE_CHARS = 4096
+MAX_METADATA_CHARS = 16384  # keys and values together
+# A rollout_stream other than the namespace's own is one below it: maskroll:<ns>:rollouts:<suffix>.
+_STREAM_SUFFIX = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,45 @@ def check_ids(request_id: str, job_id: str, group_id: str) -> None:
             raise InvalidArgument(f"{name} has {len(value)} characters; at most {MAX_ID_CHARS}")
         if not value.isprintable():
             raise InvalidArgument(f"{name} {value!r} contains non-printable characters")
+
+
+def check_metadata(metadata: Mapping[str, str]) -> None:
+    """Bounded metadata: it is copied into each of a request's n records, so 1 MB in is n MB out."""
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise InvalidArgument(f"metadata has {len(metadata)} entries; at most {MAX_METADATA_ENTRIES}")
+    total = 0
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise InvalidArgument(
+                f"metadata key {key[:32]!r}... has {len(key)} characters; at most {MAX_METADATA_KEY_CHARS}"
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidArgument(
+                f"metadata[{key!r}] has {len(value)} characters; at most {MAX_METADATA_VALUE_CHARS}"
+            )
+        total += len(key) + len(value)
+    if total > MAX_METADATA_CHARS:
+        raise InvalidArgument(f"metadata has {total} characters in all; at most {MAX_METADATA_CHARS}")
+
+
+def rollout_stream(name: str, keys: StreamKeys) -> str:
+    """The Redis stream a request's records go to: "" = the namespace's rollout stream; otherwise `name`
+    must be that stream or one below it (f"{keys.rollouts}:<suffix>", suffix [A-Za-z0-9_.-]{1,64}).
+    Another run's streams, the prompt stream, the dead letters, the done set, a replica's heartbeat or
+    any key outside maskroll's are refused: a request must not make a replica write anywhere else."""
+    if not name:
+        return keys.rollouts
+    own = keys.rollouts
+    shown = repr(name) if len(name) <= 80 else f"{name[:60]!r}... ({len(name)} characters)"
+    if name == own:
+        return name
+    prefix = own + ":"
+    if not (name.startswith(prefix) and _STREAM_SUFFIX.fullmatch(name[len(prefix) :])):
+        raise InvalidArgument(
+            f"rollout_stream {shown} is not one of this replica's rollout streams: give {own!r} or "
+            f"{prefix}<name> (name: 1-64 of A-Z a-z 0-9 _ . -), or leave it empty"
+        )
+    return name
 
 
 def new_request_id() -> str:

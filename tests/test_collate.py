@@ -88,3 +88,102 @@ def test_a_record_with_an_invalid_temperature_is_refused_by_the_sdk_rule(t) -> N
         collate(recs, [0.0, 1.0, 0.5])
     assert str(err.value).startswith(f"semantics.temperature must be finite and > 0, got {t} (there is no")
     assert str(err.value).endswith("(1 of 3 records)")
+
+
+# ---- multi-turn records (an agent session): the loss mask is the response mask ----------------------
+
+
+def _multi_turn(
+    completion: list[int], mask: list[int], segment_starts=(), k: int = 2, versions=()
+) -> RolloutRecord:
+    """A multi-turn record as a replica decodes it: logprob arrays zero where the model did not sample."""
+    t = len(completion)
+    gen = np.array(mask, bool)
+    sampled = np.where(gen, -np.arange(1, t + 1, dtype=np.float32) / 4, 0).astype(np.float32)
+    topk_ids = np.where(gen[:, None], (np.arange(t * k).reshape(t, k) % 16), 0).astype(np.int32)
+    topk_lp = np.where(gen[:, None], np.full((t, k), -0.5, np.float32), 0).astype(np.float32)
+    return RolloutRecord(
+        rollout_id="s-0",
+        request_id="s",
+        prompt_ids=np.array([1, 2], np.int32),
+        completion_ids=np.array(completion, np.int32),
+        sampled_logprobs=sampled,
+        sampled_ranks=gen.astype(np.int32),
+        topk_ids=topk_ids,
+        topk_logprobs=topk_lp,
+        finish_reason="stop",
+        semantics=Semantics(logprobs_k=k),
+        job_id="s",
+        policy_version_first=3,
+        policy_version_last=versions[-1][1] if versions else 3,
+        version_changes=list(versions),
+        schema_version=2,
+        loss_mask=gen,
+        segment_starts=list(segment_starts),
+        num_turns=2,
+    )
+
+
+def test_the_response_mask_of_a_multi_turn_record_is_its_loss_mask() -> None:
+    rec = _multi_turn([5, 6, 7, 8, 9, 10], [1, 1, 0, 0, 0, 1], versions=[(5, 4)])
+    assert not rec.problems()
+    b = collate([rec, _rec("b", [4], [3, 2])], [1.0, 0.0])
+    assert b.response_mask.tolist() == [[True, True, False, False, False, True], [True, True] + [False] * 4]
+    assert b.input_ids[0].tolist() == [1, 2, 5, 6, 7, 8, 9, 10]  # the tool tokens are context, in place
+    assert b.record_index.tolist() == [0, 1] and b.policy_versions.tolist() == [3, 2]
+
+
+def test_segments_of_an_edited_history_become_rows_with_their_own_context() -> None:
+    # turn 1 sampled [5, 6]; the client edited its history: a fresh prompt [1, 2, 3, 4], then [11, 12]
+    rec = _multi_turn(
+        [5, 6, 1, 2, 3, 4, 11, 12], [1, 1, 0, 0, 0, 0, 1, 1], segment_starts=[2], versions=[(6, 9)]
+    )
+    assert not rec.problems()
+    other = _rec("b", [4], [3])
+    rec.group_id = other.group_id = "g"  # one GRPO group of two records, three rows
+    b = collate([rec, other], [2.0, 0.0], normalize_std=False)
+    assert b.record_index.tolist() == [0, 0, 1]
+    assert b.prompt_len == 4
+    assert b.input_ids.tolist() == [[0, 0, 1, 2, 5, 6], [1, 2, 3, 4, 11, 12], [0, 0, 0, 4, 3, 0]]
+    assert b.response_mask.tolist() == [[True, True], [True, True], [True, False]]
+    np.testing.assert_allclose(b.sampled_logprobs[1].numpy(), [-7 / 4, -8 / 4])
+    assert b.rewards.tolist() == [2.0, 2.0, 0.0]  # each row its record's reward and advantage
+    assert b.advantages.tolist() == [1.0, 1.0, -1.0]  # r − mean over the group's records, not rows
+    assert b.policy_versions.tolist() == [3, 9, 2]
+
+
+def test_masks_and_loss_ignore_what_the_model_did_not_sample() -> None:
+    from maskroll.trainer_adapter import MaskConfig, compute_masks, policy_loss, token_logprobs
+
+    mask = [1, 1, 0, 0, 0, 1, 1]
+    clean = _multi_turn([5, 6, 7, 8, 9, 10, 3], mask)
+    noisy = _multi_turn([5, 6, 7, 8, 9, 10, 3], mask)
+    gen = clean.generated
+    # what a replica never sends for context tokens, replaced by garbage: nothing may change
+    noisy.sampled_logprobs[~gen] = -9.0
+    noisy.topk_ids[~gen] = 15
+    noisy.topk_logprobs[~gen] = -0.01
+
+    def loss_and_grad(rec):
+        other = _rec("g", [1, 2], [4, 4, 4], k=2)
+        rec.group_id = other.group_id = "grp"  # one group: advantages ±0.71, so gradients flow
+        b = collate([rec, other], [1.0, 0.0])
+        torch.manual_seed(0)
+        logits = torch.randn(2, b.input_ids.shape[1], 16, dtype=torch.float64)[:, b.completion_logits_slice]
+        logits.requires_grad_(True)
+        lp = token_logprobs(logits, b.completion_ids)
+        cfg = MaskConfig(method="predictive", divergence="topk_kl", estimator="proportional", delta=0.05)
+        res = compute_masks(
+            logits.detach(), b.completion_ids, b.sampled_logprobs.double(), b.topk_ids,
+            b.topk_logprobs.double(), b.advantages.double(), config=cfg, response_mask=b.response_mask,
+        )  # fmt: skip
+        loss, _ = policy_loss(lp, b.sampled_logprobs.double(), b.advantages.double(), res.keep, masks=res)
+        loss.backward()
+        return loss.detach(), logits.grad, res.keep, b.response_mask
+
+    loss_a, grad_a, keep_a, resp = loss_and_grad(clean)
+    loss_b, grad_b, keep_b, _ = loss_and_grad(noisy)
+    assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b) and torch.equal(keep_a, keep_b)
+    assert not keep_a[~resp].any() and keep_a[resp].any()
+    assert grad_a[0][~resp[0]].abs().sum() == 0  # no gradient through tool / template tokens
+    assert grad_a[0][resp[0]].abs().sum() > 0

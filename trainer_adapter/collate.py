@@ -4,10 +4,18 @@ Records are duck-typed (the numpy `RolloutRecord` of maskroll.client has the fie
 module needs neither grpc nor redis (from maskroll.client it takes only the stdlib-pure temperature rule).
 It also enforces the sampling semantics a trainer must match: processed logprobs, one K per batch, a
 valid temperature, and no truncated records unless the trainer replays truncation.
+
+Multi-turn records (an agent session: docs/architecture.md, "The record") carry a loss mask over their
+completion — the model's tokens and, between its turns, tool results and template text it only read:
+the response mask is that loss mask, so compute_masks and policy_loss see only what the model sampled.
+A record whose client edited its history has segments (`segment_starts`), each a context of its own:
+each becomes a row, its prompt the segment's tokens before its first sampled one (`record_index` maps
+rows to records; a row carries its record's reward and advantage).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,14 +34,15 @@ class SemanticsError(ValueError):
 
 @dataclass
 class Batch:
-    """Padded tensors. Completion token t of sequence b is predicted by the logits at position
-    prompt_len − 1 + t of input_ids (prompts are left-padded to a common prompt_len)."""
+    """Padded tensors, one row per record (per segment of a multi-turn record with edited history).
+    Completion token t of row b is predicted by the logits at position prompt_len − 1 + t of input_ids
+    (prompts are left-padded to a common prompt_len)."""
 
     input_ids: Tensor  # [B, P + T] long: left-padded prompt, right-padded completion
     attention_mask: Tensor  # [B, P + T] long
     position_ids: Tensor  # [B, P + T] long, 0 at each sequence's first real token
     completion_ids: Tensor  # [B, T] long
-    response_mask: Tensor  # [B, T] bool
+    response_mask: Tensor  # [B, T] bool: the tokens the model sampled (a multi-turn record's loss mask)
     sampled_logprobs: Tensor  # [B, T] float32, log μ_a
     topk_ids: Tensor  # [B, T, K] long
     topk_logprobs: Tensor  # [B, T, K] float32
@@ -42,8 +51,9 @@ class Batch:
     temperature: Tensor  # [B] float64, per sequence
     top_k: int | None  # the batch's truncation (None: off)
     top_p: float | None
-    policy_versions: Tensor  # [B] long, version at each record's first token
+    policy_versions: Tensor  # [B] long, version at each row's first token
     prompt_len: int  # P
+    record_index: Tensor | None = None  # [B] long: the record of each row (None: row b is record b)
 
     @property
     def completion_logits_slice(self) -> slice:
@@ -114,6 +124,20 @@ def check_semantics(
     return trunc
 
 
+def _rows(rec: Any) -> list[tuple[np.ndarray, slice]]:
+    """(prompt ids, completion slice) of each row of a record: one, or one per segment."""
+    t = len(rec.completion_ids)
+    starts = [0, *(int(s) for s in getattr(rec, "segment_starts", ()) or ()), t]
+    mask = getattr(rec, "loss_mask", None)
+    rows = [(np.asarray(rec.prompt_ids), slice(0, starts[1]))]
+    for a, b in itertools.pairwise(starts[1:]):
+        # A fresh prompt: the segment's tokens up to its first sampled one are the row's context.
+        sampled = np.flatnonzero(np.asarray(mask[a:b], bool)) if mask is not None else np.zeros(0, int)
+        g = a + int(sampled[0]) if sampled.size else b
+        rows.append((np.asarray(rec.completion_ids[a:g]), slice(g, b)))
+    return rows
+
+
 def collate(
     records: Sequence[Any],
     rewards: Sequence[float] | np.ndarray,
@@ -124,13 +148,14 @@ def collate(
 ) -> Batch:
     """Pad a batch of records and attach group-normalised advantages (group = group_id, else job_id)."""
     top_k, top_p = check_semantics(records, allow_truncation=allow_truncation)
-    b = len(records)
     rewards = np.asarray(rewards, dtype=np.float64)
-    if rewards.shape != (b,):
-        raise ValueError(f"rewards has shape {rewards.shape}; expected ({b},), one per record")
+    if rewards.shape != (len(records),):
+        raise ValueError(f"rewards has shape {rewards.shape}; expected ({len(records)},), one per record")
+    rows = [(i, prompt, part) for i, r in enumerate(records) for prompt, part in _rows(r)]
+    b = len(rows)
     k = int(records[0].topk_ids.shape[1])
-    p_max = max(len(r.prompt_ids) for r in records)
-    t_max = max(1, max(len(r.completion_ids) for r in records))
+    p_max = max(len(prompt) for _, prompt, _ in rows)
+    t_max = max(1, max(part.stop - part.start for _, _, part in rows))
     input_ids = np.full((b, p_max + t_max), pad_id, np.int64)
     attention = np.zeros((b, p_max + t_max), np.int64)
     completion = np.full((b, t_max), pad_id, np.int64)
@@ -138,19 +163,24 @@ def collate(
     sampled = np.zeros((b, t_max), np.float32)
     topk_ids = np.zeros((b, t_max, k), np.int64)
     topk_lp = np.zeros((b, t_max, k), np.float32)
-    for i, r in enumerate(records):
-        p, t = len(r.prompt_ids), len(r.completion_ids)
-        input_ids[i, p_max - p : p_max] = r.prompt_ids
-        input_ids[i, p_max : p_max + t] = r.completion_ids
+    first_versions = np.zeros(b, np.int64)
+    for i, (j, prompt, part) in enumerate(rows):
+        r = records[j]
+        p, t = len(prompt), part.stop - part.start
+        input_ids[i, p_max - p : p_max] = prompt
+        input_ids[i, p_max : p_max + t] = r.completion_ids[part]
         attention[i, p_max - p : p_max + t] = 1
-        completion[i, :t] = r.completion_ids
-        mask[i, :t] = True
-        sampled[i, :t] = r.sampled_logprobs
-        topk_ids[i, :t] = r.topk_ids
-        topk_lp[i, :t] = r.topk_logprobs
+        completion[i, :t] = r.completion_ids[part]
+        loss_mask = getattr(r, "loss_mask", None)
+        mask[i, :t] = True if loss_mask is None else np.asarray(loss_mask[part], bool)
+        sampled[i, :t] = r.sampled_logprobs[part]
+        topk_ids[i, :t] = r.topk_ids[part]
+        topk_lp[i, :t] = r.topk_logprobs[part]
+        first_versions[i] = r.token_versions()[part.start] if t else r.policy_version_first
     positions = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
     groups = [r.group_id or r.job_id or r.rollout_id for r in records]
-    adv = group_advantages(rewards, groups, normalize_std=normalize_std)
+    record_index = np.array([j for j, _, _ in rows], np.int64)
+    adv = group_advantages(rewards, groups, normalize_std=normalize_std)[record_index]
     return Batch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention),
@@ -160,11 +190,14 @@ def collate(
         sampled_logprobs=torch.from_numpy(sampled),
         topk_ids=torch.from_numpy(topk_ids),
         topk_logprobs=torch.from_numpy(topk_lp),
-        rewards=torch.from_numpy(rewards.astype(np.float32)),
+        rewards=torch.from_numpy(rewards.astype(np.float32)[record_index]),
         advantages=torch.from_numpy(adv),
-        temperature=torch.tensor([float(r.semantics.temperature) for r in records], dtype=torch.float64),
+        temperature=torch.tensor(
+            [float(records[j].semantics.temperature) for j, _, _ in rows], dtype=torch.float64
+        ),
         top_k=top_k,
         top_p=top_p,
-        policy_versions=torch.tensor([int(r.policy_version_first) for r in records], dtype=torch.int64),
+        policy_versions=torch.from_numpy(first_versions),
         prompt_len=p_max,
+        record_index=torch.from_numpy(record_index),
     )

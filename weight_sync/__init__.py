@@ -1,8 +1,12 @@
 """maskroll.weight_sync: trainer-side weight publishing — getting a new policy onto every live replica.
 
-Owns the checkpoint layout the replicas load (`checkpoint.py`) and the publisher that writes a version
-and announces it to the replicas (`publish.py`). Today's transport is a directory under the replicas'
-`--weights-root` (a shared volume); streamed and collective (NCCL) transports belong here too.
+Two transports, one run semantics: `StreamPublisher` (`stream.py`, the default of `maskroll demo` and
+the deployment) pushes each version's tensors to every replica over gRPC (PushWeights: no shared
+filesystem); `CheckpointPublisher` (`publish.py`) writes it in the checkpoint layout (`checkpoint.py`)
+under the replicas' `--weights-root` (a shared volume) and announces it (UpdateWeights). The NCCL
+transport through vLLM's weight-transfer engine is `collective.py` (GPUs only). The
+publisher knows the training run (through `maskroll.client.RolloutQueue`): a restarted trainer resumes
+at the run's last version, from its checkpoint.
 
 May import torch, safetensors and `maskroll.client` (the queue's replica registry and the gRPC
 `UpdateWeights` call); never `maskroll.server`. Importing the package itself loads none of them.
@@ -13,18 +17,29 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .checkpoint import CHECKPOINT_FILE, checkpoint_dir, save_checkpoint
+    from .checkpoint import CHECKPOINT_FILE, checkpoint_dir, load_checkpoint, save_checkpoint
     from .publish import CheckpointPublisher, WeightSyncError
+    from .stream import StreamPublisher
 
 _LAZY = {
     "CHECKPOINT_FILE": "checkpoint",
     "checkpoint_dir": "checkpoint",
     "save_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
     "CheckpointPublisher": "publish",
     "WeightSyncError": "publish",
+    "StreamPublisher": "stream",
 }
 
-__all__ = ["CHECKPOINT_FILE", "CheckpointPublisher", "WeightSyncError", "checkpoint_dir", "save_checkpoint"]
+__all__ = [
+    "CHECKPOINT_FILE",
+    "CheckpointPublisher",
+    "StreamPublisher",
+    "WeightSyncError",
+    "checkpoint_dir",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 
 def __getattr__(name: str):

@@ -1,10 +1,16 @@
 """CheckpointPublisher: after an optimiser step, write the new policy and make every live replica load it.
 
-One call per version: save the checkpoint (`checkpoint.py` layout), `UpdateWeights(version)` on every
-live replica through the queue's registry (in parallel, a timeout each), set the queue's policy version
-(so staleness is counted against it), and prune old versions. A replica that refuses or times out is
-reported by id; by default any failure raises, because a replica left on old weights keeps producing
-records the trainer would count as stale — or worse, train on as if they were fresh.
+One call per version: save the checkpoint (`checkpoint.py` layout), then the queue's `broadcast_weights`
+records the version as the run's latest in Redis, makes it the trainer's policy version (so staleness
+is counted against it, and newer records are refused) and calls `UpdateWeights(version, run id)` on
+every live replica in parallel, a timeout each; finally old versions are pruned. A replica that refuses
+or times out is reported by id; by default any failure raises, because a replica left on old weights
+keeps producing records the trainer would count as stale — or worse, train on as if they were fresh.
+
+Before the loop, `start(model)` puts trainer and replicas on the run's current version: a resumed run
+loads its latest checkpoint into the model and brings every replica to it; a new run publishes the
+model as version 0 when some replica serves other weights (a previous run's), so that no replica ever
+samples for this run from weights the run does not have.
 """
 
 from __future__ import annotations
@@ -18,31 +24,44 @@ from typing import Protocol
 
 import torch
 
-from .checkpoint import checkpoint_dir, save_checkpoint
+from maskroll.client import BroadcastError, ReplicaWeights
+
+from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 
 log = logging.getLogger(__name__)
 
+OK = ("ok", "unchanged")  # a replica that serves the version now
 
-class WeightSyncError(RuntimeError):
+
+class WeightSyncError(BroadcastError):
     """A published version did not reach the replicas it had to reach."""
 
-    def __init__(self, version: int, failed: dict[str, str]) -> None:
-        self.version, self.failed = version, failed
+    def __init__(self, version: int, failed: dict[str, str], results: dict[str, str] | None = None) -> None:
+        super().__init__(version, results if results is not None else failed)
+        self.failed = failed
         detail = "; ".join(f"{r}: {e}" for r, e in failed.items()) or "no live replica in the namespace"
-        super().__init__(f"policy version {version} was not loaded by every replica ({detail})")
+        self.args = (f"policy version {version} was not loaded by every replica ({detail})",)
 
 
-class _Broadcaster(Protocol):  # RolloutQueue (sync) has this method
+class _Broadcaster(Protocol):  # RolloutQueue (sync) has this method; publish() needs only it
     def broadcast_weights(
         self, version: int, checkpoint_dir: str, timeout: float = ...
     ) -> dict[str, str]: ...
 
 
 class CheckpointPublisher:
-    """Publishes versions 1, 2, … of a model to the replicas behind `queue`, through `root`.
+    """Publishes versions of a model to the replicas behind `queue`, through `root`.
+
+        q = RolloutQueue(url, "run1", run="new", batch_size=64, max_staleness=1)   # or run="resume"
+        pub = CheckpointPublisher(q, "/shared/ckpt")
+        version = pub.start(model)            # resume: `model` now holds the run's latest version
+        for step in ...:
+            ...                               # an optimiser step
+            pub.publish(model)                # version + 1: saved, recorded, loaded by every replica
 
     Args:
-        queue: a `maskroll.client.RolloutQueue` (its replica registry and gRPC broadcast are used).
+        queue: a `maskroll.client.RolloutQueue` (its run, replica registry and gRPC broadcast are used);
+            `publish` alone works with anything that has `broadcast_weights`.
         root: the directory the replicas were started with as `--weights-root` (a shared volume).
         keep: how many newest versions stay on disk (a replica still loading one must find it).
         timeout: seconds each replica may take to load a version.
@@ -61,24 +80,77 @@ class CheckpointPublisher:
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.queue, self.root = queue, Path(root)
+        # absolute: UpdateWeights resolves a relative path against the replica's weights root, not our cwd
+        self.queue, self.root = queue, Path(root).absolute()
         self.keep, self.timeout, self.require_all = keep, timeout, require_all
+        self._version = 0  # without a run to ask: the last version this publisher published
 
-    def publish(self, model: Mapping[str, torch.Tensor] | torch.nn.Module, version: int) -> dict[str, str]:
-        """Save `model` as `version`, load it on every live replica; returns {replica_id: "ok" | error}."""
+    @property
+    def version(self) -> int:
+        """The last version published: the run's (recorded in Redis, so it survives a restart)."""
+        run = getattr(self.queue, "run", None)
+        return run.version if run is not None else self._version
+
+    def start(self, model: torch.nn.Module) -> int:
+        """Put the trainer and every live replica on the run's current version; returns that version.
+
+        A resumed run at version v > 0 loads its checkpoint of v into `model` (optimiser state is the
+        trainer's own business) and makes every replica that does not serve v of this run load it. A
+        run at version 0 publishes `model` as version 0 if some replica serves other weights (another
+        run's); replicas still on their starting weights are taken to hold what `model` starts from —
+        start them with the same `--model`. Raises WeightSyncError as `publish` does."""
+        run = getattr(self.queue, "run", None)
+        if run is None or not hasattr(self.queue, "replica_weights"):
+            raise TypeError("start() needs a maskroll.client.RolloutQueue: it reads the run and the replicas")
+        if run.version > 0:
+            own = checkpoint_dir(self.root, run.version)
+            load_checkpoint(model, own if own.exists() or not run.checkpoint else run.checkpoint)
+            log.info("resumed run %s at version %d from %s", run.run_id, run.version, run.checkpoint or own)
+            self._checked(run.version, lambda: self.queue.sync_replicas(timeout=self.timeout))
+            return run.version
+        serving = self.queue.replica_weights()
+        other = {
+            r: w
+            for r, w in serving.items()
+            if not (isinstance(w, ReplicaWeights) and w.version == 0 and w.run_id in ("", run.run_id))
+        }
+        if other:
+            log.info("run %s starts at version 0; replicas serving other weights: %s", run.run_id, other)
+            results = self.publish(model, 0)
+            log.info("version 0 of run %s published: %s", run.run_id, results)
+        return 0
+
+    def publish(
+        self, model: Mapping[str, torch.Tensor] | torch.nn.Module, version: int | None = None
+    ) -> dict[str, str]:
+        """Save `model` as `version` (default: the last version + 1), record it as the run's latest and
+        load it on every live replica; returns {replica_id: "ok" | "unchanged" | error}."""
+        last = self.version
+        version = last + 1 if version is None else int(version)
+        if version < last or (version == last and version != 0):
+            # checked before saving: writing <root>/v<last> again would change the run's resume point
+            raise ValueError(f"version {version} does not move the run forward: the last published is {last}")
         path = save_checkpoint(model, self.root, version)
-        results = self.queue.broadcast_weights(version, str(path), timeout=self.timeout)
-        failed = {r: e for r, e in results.items() if e != "ok"}
-        if failed:
-            log.warning("policy version %d: replicas behind: %s", version, failed)
-        if (failed and self.require_all) or len(failed) == len(results):
-            raise WeightSyncError(version, failed)
+        results = self._checked(
+            version, lambda: self.queue.broadcast_weights(version, str(path), timeout=self.timeout)
+        )
+        self._version = version
         self._prune(version)
         return results
 
+    def _checked(self, version: int, broadcast) -> dict[str, str]:
+        try:
+            results = broadcast()
+        except BroadcastError as e:  # the queue raises when no live replica loaded it
+            raise WeightSyncError(version, e.failed, e.results) from e
+        failed = {r: e for r, e in results.items() if e not in OK}  # the queue has logged them
+        if (failed and self.require_all) or len(failed) == len(results):
+            raise WeightSyncError(version, failed, results)
+        return results
+
     def _prune(self, version: int) -> None:
-        for old in range(version - self.keep, 0, -1):
+        for old in range(version - self.keep, -1, -1):
             d = checkpoint_dir(self.root, old)
             if not d.exists():
-                break  # older ones were pruned by an earlier publish
+                break  # older ones were pruned by an earlier publish (or never written: v0)
             shutil.rmtree(d)

@@ -97,7 +97,7 @@ class VersionChange(_message.Message):
     def __init__(self, token_index: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class RolloutRecord(_message.Message):
-    __slots__ = ("schema_version", "rollout_id", "request_id", "job_id", "group_id", "sample_index", "metadata", "prompt_token_ids", "completion_token_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs", "num_tokens", "finish_reason", "semantics", "policy_version_first", "policy_version_last", "version_changes", "replica_id", "created_at", "group_size")
+    __slots__ = ("schema_version", "rollout_id", "request_id", "job_id", "group_id", "sample_index", "metadata", "prompt_token_ids", "completion_token_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs", "num_tokens", "finish_reason", "semantics", "policy_version_first", "policy_version_last", "version_changes", "replica_id", "created_at", "group_size", "run_id", "loss_mask", "segment_starts", "num_turns")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,10 @@ class RolloutRecord(_message.Message):
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_STARTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     rollout_id: str
     request_id: str
@@ -149,7 +153,11 @@ class RolloutRecord(_message.Message):
     replica_id: str
     created_at: float
     group_size: int
-    def __init__(self, schema_version: _Optional[int] = ..., rollout_id: _Optional[str] = ..., request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_token_ids: _Optional[bytes] = ..., completion_token_ids: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., sampled_ranks: _Optional[bytes] = ..., topk_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., semantics: _Optional[_Union[Semantics, _Mapping]] = ..., policy_version_first: _Optional[int] = ..., policy_version_last: _Optional[int] = ..., version_changes: _Optional[_Iterable[_Union[VersionChange, _Mapping]]] = ..., replica_id: _Optional[str] = ..., created_at: _Optional[float] = ..., group_size: _Optional[int] = ...) -> None: ...
+    run_id: str
+    loss_mask: bytes
+    segment_starts: _containers.RepeatedScalarFieldContainer[int]
+    num_turns: int
+    def __init__(self, schema_version: _Optional[int] = ..., rollout_id: _Optional[str] = ..., request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_token_ids: _Optional[bytes] = ..., completion_token_ids: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., sampled_ranks: _Optional[bytes] = ..., topk_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., semantics: _Optional[_Union[Semantics, _Mapping]] = ..., policy_version_first: _Optional[int] = ..., policy_version_last: _Optional[int] = ..., version_changes: _Optional[_Iterable[_Union[VersionChange, _Mapping]]] = ..., replica_id: _Optional[str] = ..., created_at: _Optional[float] = ..., group_size: _Optional[int] = ..., run_id: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., segment_starts: _Optional[_Iterable[int]] = ..., num_turns: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("request_id", "sample_index", "start_index", "token_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs", "logprobs_k", "policy_version", "record")
@@ -184,28 +192,78 @@ class CheckpointSource(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class CollectiveSource(_message.Message):
-    __slots__ = ("group_name", "master_address", "master_port", "rank_offset", "world_size")
+    __slots__ = ("group_name", "master_address", "master_port", "rank_offset", "world_size", "init", "tensors", "packed")
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     group_name: str
     master_address: str
     master_port: int
     rank_offset: int
     world_size: int
-    def __init__(self, group_name: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    init: bool
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    packed: bool
+    def __init__(self, group_name: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., init: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., packed: _Optional[bool] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes", "crc32")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    crc32: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class WeightsManifest(_message.Message):
+    __slots__ = ("version", "run_id", "tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    run_id: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, version: _Optional[int] = ..., run_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class WeightsPushChunk(_message.Message):
+    __slots__ = ("manifest", "data")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    manifest: WeightsManifest
+    data: TensorChunk
+    def __init__(self, manifest: _Optional[_Union[WeightsManifest, _Mapping]] = ..., data: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("index", "offset", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    offset: int
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "checkpoint", "collective")
+    __slots__ = ("version", "checkpoint", "collective", "run_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     checkpoint: CheckpointSource
     collective: CollectiveSource
-    def __init__(self, version: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointSource, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSource, _Mapping]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, version: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointSource, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSource, _Mapping]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "load_seconds", "paused_requests")
@@ -222,7 +280,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "engine", "engine_version", "maskroll_version", "policy_version", "max_logprobs_k", "max_model_len", "vocab_size", "max_tokens", "max_n", "logprobs_mode", "replica_id", "max_message_bytes", "dtype", "seed", "max_batch", "tensor_parallel_size", "quantization", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization", "kv_cache_tokens")
+    __slots__ = ("model", "engine", "engine_version", "maskroll_version", "policy_version", "max_logprobs_k", "max_model_len", "vocab_size", "max_tokens", "max_n", "logprobs_mode", "replica_id", "max_message_bytes", "dtype", "seed", "max_batch", "tensor_parallel_size", "quantization", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization", "kv_cache_tokens", "run_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +303,7 @@ class ServerInfo(_message.Message):
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     engine_version: str
@@ -267,10 +326,11 @@ class ServerInfo(_message.Message):
     kv_cache_bytes: int
     gpu_memory_utilization: float
     kv_cache_tokens: int
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., maskroll_version: _Optional[str] = ..., policy_version: _Optional[int] = ..., max_logprobs_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_n: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., replica_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_tokens: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., maskroll_version: _Optional[str] = ..., policy_version: _Optional[int] = ..., max_logprobs_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_n: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., replica_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_tokens: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class PromptJob(_message.Message):
-    __slots__ = ("job_id", "prompt_token_ids", "options", "group_id", "metadata", "submitted_at", "rollout_stream", "schema_version")
+    __slots__ = ("job_id", "prompt_token_ids", "options", "group_id", "metadata", "submitted_at", "rollout_stream", "schema_version", "run_id")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +346,7 @@ class PromptJob(_message.Message):
     SUBMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_STREAM_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     prompt_token_ids: bytes
     options: SamplingOptions
@@ -294,4 +355,5 @@ class PromptJob(_message.Message):
     submitted_at: float
     rollout_stream: str
     schema_version: int
-    def __init__(self, job_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., options: _Optional[_Union[SamplingOptions, _Mapping]] = ..., group_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., submitted_at: _Optional[float] = ..., rollout_stream: _Optional[str] = ..., schema_version: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, job_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., options: _Optional[_Union[SamplingOptions, _Mapping]] = ..., group_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., submitted_at: _Optional[float] = ..., rollout_stream: _Optional[str] = ..., schema_version: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...

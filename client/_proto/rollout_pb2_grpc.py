@@ -45,6 +45,11 @@ class RolloutServiceStub:
                 request_serializer=maskroll_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=maskroll_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.PushWeights = channel.stream_unary(
+                '/maskroll.v1.RolloutService/PushWeights',
+                request_serializer=maskroll_dot_v1_dot_rollout__pb2.WeightsPushChunk.SerializeToString,
+                response_deserializer=maskroll_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/maskroll.v1.RolloutService/GetInfo',
                 request_serializer=maskroll_dot_v1_dot_rollout__pb2.GetInfoRequest.SerializeToString,
@@ -71,6 +76,15 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushWeights(self, request_iterator, context):
+        """The same update with the weights in the call (no shared filesystem): the first message is a
+        WeightsManifest, then every tensor's raw bytes in manifest order, in bounded chunks. Nothing
+        changes until every byte arrived and every tensor's checksum matched.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -88,6 +102,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
             'UpdateWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=maskroll_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=maskroll_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'PushWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushWeights,
+                    request_deserializer=maskroll_dot_v1_dot_rollout__pb2.WeightsPushChunk.FromString,
                     response_serializer=maskroll_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
@@ -149,6 +168,33 @@ class RolloutService:
             target,
             '/maskroll.v1.RolloutService/UpdateWeights',
             maskroll_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
+            maskroll_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/maskroll.v1.RolloutService/PushWeights',
+            maskroll_dot_v1_dot_rollout__pb2.WeightsPushChunk.SerializeToString,
             maskroll_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,

@@ -32,6 +32,7 @@ DEPLOY = REPO / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_GPU = DEPLOY / "compose.gpu.yaml"
+COMPOSE_TLS = DEPLOY / "compose.tls.yaml"
 ENV_EXAMPLE = DEPLOY / ".env.example"
 K8S = DEPLOY / "k8s"
 KUSTOMIZATIONS = {
@@ -40,6 +41,7 @@ KUSTOMIZATIONS = {
     "gpu": K8S / "overlays" / "gpu",
     "trainer": K8S / "trainer",
     "tools": K8S / "tools",
+    "tls-ca": K8S / "tls-ca",
 }
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 
@@ -69,6 +71,31 @@ def one(resources: list[dict], kind: str, name: str | None = None) -> dict:
 
 def pod_spec(workload: dict) -> dict:
     return workload["spec"] if workload["kind"] == "Pod" else workload["spec"]["template"]["spec"]
+
+
+# What a test runs replicas with instead of the shipped placeholders, which `maskroll serve` refuses.
+PLACEHOLDER = "REPLACE-ME"
+
+
+def test_secret(placeholder_key: str) -> str:
+    return f"test-{placeholder_key.lower().replace('_', '-')}-0123456789abcdef"
+
+
+def deployable(resources: list[dict]) -> list[dict]:
+    """The resources with every placeholder Secret value replaced by a test secret (what an operator
+    does before deploying)."""
+    out = copy.deepcopy(resources)
+    for r in out:
+        if r["kind"] == "Secret":
+            for key, value in (r.get("stringData") or {}).items():
+                if value.startswith(PLACEHOLDER):
+                    r["stringData"][key] = test_secret(key)
+    return out
+
+
+def deployable_env(env: dict[str, str]) -> dict[str, str]:
+    """A compose .env with every placeholder replaced by a test secret."""
+    return {k: test_secret(k) if v.startswith(PLACEHOLDER) else v for k, v in env.items()}
 
 
 def secret_values(secret: dict) -> dict[str, str]:
@@ -194,6 +221,23 @@ def interpolate(node, env: dict[str, str]):
 
 def load_compose(path: Path, env: dict[str, str]) -> dict:
     return interpolate(yaml.safe_load(path.read_text()), env)
+
+
+def merge_compose(base: dict, override: dict) -> dict:
+    """`docker compose -f base -f override`: mappings merge key by key, `command` / `entrypoint` /
+    healthcheck `test` are replaced, `volumes` and `ports` merge by their target."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        old = out.get(key)
+        if key in ("volumes", "ports") and isinstance(old, list):
+            by_target = {str(v).split(":")[1 if key == "volumes" else -1]: v for v in old}
+            by_target.update({str(v).split(":")[1 if key == "volumes" else -1]: v for v in value})
+            out[key] = list(by_target.values())
+        elif isinstance(old, dict) and isinstance(value, dict) and key not in ("command", "entrypoint"):
+            out[key] = merge_compose(old, value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 def duration_s(text: str | int | float) -> float:

@@ -1,12 +1,14 @@
-"""deploy/compose.yaml (+ compose.gpu.yaml) as `docker compose` sees it, without Docker: interpolated with
-deploy/.env.example, validated against the official compose-spec schema (vendored in the
-check-jsonschema wheel), then checked for what the deployment relies on."""
+"""deploy/compose.yaml (+ compose.gpu.yaml, compose.tls.yaml) as `docker compose` sees it, without Docker:
+interpolated with deploy/.env.example, validated against the official compose-spec schema (vendored in
+the check-jsonschema wheel), then checked for what the deployment relies on: secrets never on a command
+line, memory limits on every service, TLS end to end with the TLS file."""
 
 from __future__ import annotations
 
 import importlib.resources
 import json
 import re
+import shlex
 import subprocess
 from urllib.parse import urlsplit
 
@@ -15,6 +17,7 @@ import pytest
 from deploy_files import (
     COMPOSE,
     COMPOSE_GPU,
+    COMPOSE_TLS,
     ENV_EXAMPLE,
     InterpolationError,
     Local,
@@ -22,11 +25,13 @@ from deploy_files import (
     build_args,
     clean_environ,
     compose_variables,
+    deployable_env,
     duration_s,
     healthcheck,
     interpolate,
     load_compose,
     load_env_file,
+    merge_compose,
     resolve_argv,
 )
 
@@ -66,9 +71,13 @@ def validate(schema: dict, doc: dict) -> list[str]:
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
 
 
-@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU, COMPOSE_TLS], ids=lambda p: p.name)
 def test_compose_files_match_the_compose_spec(path, env, compose_schema):
     assert validate(compose_schema, load_compose(path, env)) == []
+    if path != COMPOSE:  # and what `docker compose -f compose.yaml -f <path>` runs
+        assert (
+            validate(compose_schema, merge_compose(load_compose(COMPOSE, env), load_compose(path, env))) == []
+        )
 
 
 def test_the_schema_check_catches_a_typo(compose, compose_schema):
@@ -79,7 +88,7 @@ def test_the_schema_check_catches_a_typo(compose, compose_schema):
 
 def test_every_variable_is_documented_in_env_example(env):
     documented = set(env) | set(re.findall(r"^#\s*([A-Z_][A-Z0-9_]*)=", ENV_EXAMPLE.read_text(), re.M))
-    used = compose_variables(COMPOSE.read_text()) | compose_variables(COMPOSE_GPU.read_text())
+    used = set().union(*(compose_variables(p.read_text()) for p in (COMPOSE, COMPOSE_GPU, COMPOSE_TLS)))
     assert used - documented == set()
 
 
@@ -99,14 +108,24 @@ def test_interpolation_forms():
         interpolate("${B:?needed}", e)
 
 
+def redis_command(redis: dict) -> tuple[dict[str, str], str]:
+    """(redis-server's options, the configuration it reads on stdin) from the service's `sh -c` script."""
+    assert redis["command"][:2] == ["sh", "-c"]
+    head, _, rest = redis["command"][2].partition("<<EOF\n")
+    argv = shlex.split(head.replace("\\\n", " "))
+    # The image's entrypoint drops root; `-` last: it reads the configuration from stdin.
+    assert argv[:3] == ["exec", "docker-entrypoint.sh", "redis-server"] and argv[-1] == "-"
+    return dict(zip(argv[3:-1:2], argv[4:-1:2], strict=True)), rest.partition("\nEOF")[0]
+
+
 def test_redis_is_persistent_password_protected_and_never_evicts(compose, env):
     redis = compose["services"]["redis"]
-    args = redis["command"]
-    opt = {args[i]: args[i + 1] for i in range(1, len(args) - 1, 2)}
-    assert args[0] == "redis-server"
+    opt, stdin = redis_command(redis)
     assert opt["--appendonly"] == "yes"
-    assert opt["--requirepass"] == env["REDIS_PASSWORD"]
     assert opt["--maxmemory-policy"] == "noeviction"
+    # The password: in the environment, fed to redis-server on stdin by the shell; not in its argv.
+    assert stdin == "requirepass $REDIS_PASSWORD" and "--requirepass" not in opt
+    assert redis["environment"]["REDIS_PASSWORD"] == env["REDIS_PASSWORD"]
     assert redis["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL")
     source, target = redis["volumes"][0].split(":")[:2]
     assert target == "/data" and source in compose["volumes"]
@@ -156,11 +175,12 @@ def test_replicas_and_trainer_share_the_weights_volume_at_the_same_path(compose)
     argv = trainer["entrypoint"] + trainer["command"]
     assert argv[:3] == ["maskroll", "demo", "--no-spawn"]
     flags = dict(zip(argv[3::2], argv[4::2], strict=True))
-    assert set(flags) == {"--redis-url", "--namespace", "--weights-dir", "--model", "--out"}
+    # No --redis-url: the demo reads MASKROLL_REDIS_URL, so the password is on no command line.
+    assert set(flags) == {"--namespace", "--weights-dir", "--model", "--out"}
     weights_dir = flags["--weights-dir"]
     for svc in reps.values():
         e = svc["environment"]
-        assert flags["--redis-url"] == e["MASKROLL_REDIS_URL"]
+        assert trainer["environment"]["MASKROLL_REDIS_URL"] == e["MASKROLL_REDIS_URL"]
         assert flags["--namespace"] == e["MASKROLL_NAMESPACE"]
         root = e["MASKROLL_WEIGHTS_ROOT"]
         assert weights_dir == root or weights_dir.startswith(root.rstrip("/") + "/")
@@ -190,6 +210,63 @@ def test_gpu_file_gives_each_replica_its_own_gpu_and_the_default_vllm_image(env)
     assert base["services"]["replica-1"]["build"]["args"]["VARIANT"] == "cpu"
 
 
+@pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE, COMPOSE_TLS)], ids=["plain", "tls"])
+def test_no_secret_on_any_command_line(env, files):
+    """Arguments are visible to every process on the host (`ps`); secrets travel in the environment."""
+    compose = load_compose(files[0], env)
+    for extra in files[1:]:
+        compose = merge_compose(compose, load_compose(extra, env))
+    secrets = {env["REDIS_PASSWORD"], env["MASKROLL_AUTH_TOKEN"]}
+    for name, svc in compose["services"].items():
+        argv = [*svc.get("entrypoint", []), *svc.get("command", [])]
+        assert not any(s in a for s in secrets for a in argv), (name, argv)
+
+
+def test_every_service_has_a_memory_limit(compose):
+    for name, svc in compose["services"].items():
+        limits = svc["deploy"]["resources"]["limits"]
+        assert re.fullmatch(r"[0-9]+[kmg]", limits["memory"]), (name, limits)
+    redis = compose["services"]["redis"]
+    maxmemory = redis_command(redis)[0]["--maxmemory"]
+    as_bytes = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    limit = redis["deploy"]["resources"]["limits"]["memory"]
+    assert int(maxmemory[:-2]) * as_bytes[maxmemory[-2]] < int(limit[:-1]) * as_bytes[limit[-1]]
+
+
+def test_the_tls_file_turns_on_tls_for_grpc_and_redis(compose, env):
+    tls = merge_compose(compose, load_compose(COMPOSE_TLS, env))
+    opt, stdin = redis_command(tls["services"]["redis"])
+    assert opt["--port"] == "0" and opt["--tls-port"] == "6379", "no plaintext listener"
+    assert stdin == "requirepass $REDIS_PASSWORD"
+    assert "--tls --cacert" in tls["services"]["redis"]["healthcheck"]["test"][1]
+
+    def mounted(svc: dict, path: str) -> bool:
+        return any(
+            path.startswith(spec.split(":")[1] + "/") and spec.endswith(":ro") for spec in svc["volumes"]
+        )
+
+    for flag in ("--tls-cert-file", "--tls-key-file", "--tls-ca-cert-file"):
+        assert mounted(tls["services"]["redis"], opt[flag]), flag
+    for name, svc in replicas(tls).items():
+        e = svc["environment"]
+        for key in ("MASKROLL_TLS_CERT", "MASKROLL_TLS_KEY", "MASKROLL_HEALTHCHECK_TLS_CA"):
+            assert mounted(svc, e[key]), (name, key)
+        url = urlsplit(e["MASKROLL_REDIS_URL"])
+        assert (url.scheme, url.hostname, url.port, url.query) == (
+            "rediss",
+            "redis",
+            6379,
+            f"ssl_ca_certs={e['MASKROLL_HEALTHCHECK_TLS_CA']}",
+        )
+        assert url.password == env["REDIS_PASSWORD"]
+    trainer = tls["services"]["trainer"]
+    assert mounted(trainer, trainer["environment"]["MASKROLL_HEALTHCHECK_TLS_CA"])
+    assert (
+        trainer["environment"]["MASKROLL_REDIS_URL"]
+        == tls["services"]["replica-1"]["environment"]["MASKROLL_REDIS_URL"]
+    )
+
+
 @pytest.mark.slow
 def test_trainer_command_trains_against_the_replicas(compose, env, tmp_path):
     """The compose deployment run outside containers: Redis with the .env password, both replicas with
@@ -200,8 +277,9 @@ def test_trainer_command_trains_against_the_replicas(compose, env, tmp_path):
     weights = tmp_path / "weights"
     weights.mkdir()
     model = init_model(tmp_path / "model", seed=0)
+    compose = load_compose(COMPOSE, deployable_env(env))  # replicas refuse the placeholder secrets
     trainer = compose["services"]["trainer"]
-    with LocalRedis(password=env["REDIS_PASSWORD"]) as redis:
+    with LocalRedis(password=compose["services"]["redis"]["environment"]["REDIS_PASSWORD"]) as redis:
         local = Local(model, weights, redis.port)
         started: list[tuple[Replica, list[str]]] = []
         try:
@@ -217,9 +295,9 @@ def test_trainer_command_trains_against_the_replicas(compose, env, tmp_path):
                 "/tmp/maskroll-demo": str(tmp_path),
             }
             argv = [paths.get(a, a) for a in trainer["entrypoint"] + trainer["command"]]
-            argv = [local.url(a) if a.startswith("redis://") else a for a in argv]
             argv += ["--steps", "1", "--prompts-per-step", "1", "--n", "2"]
             run_env = {**clean_environ(), **trainer["environment"]}
+            run_env["MASKROLL_REDIS_URL"] = local.url(run_env["MASKROLL_REDIS_URL"])
             out = subprocess.run(resolve_argv(argv), env=run_env, capture_output=True, text=True, timeout=600)
             assert out.returncode == 0, out.stdout + out.stderr
             assert (tmp_path / "summary.json").is_file()

@@ -15,12 +15,15 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path, PurePosixPath
 
 import pytest
 from deploy_files import (
     COMPOSE,
     COMPOSE_GPU,
+    COMPOSE_TLS,
     DEPLOY,
     ENV_EXAMPLE,
     REPO,
@@ -29,6 +32,8 @@ from deploy_files import (
     build_args,
     clean_environ,
     container_env,
+    deployable,
+    deployable_env,
     dockerfile_instructions,
     duration_s,
     exec_form,
@@ -156,7 +161,7 @@ def test_every_maskroll_variable_set_by_the_deployment_is_a_server_config_field(
     """A misspelt MASKROLL_* variable would be silently ignored by `maskroll serve`."""
     env = load_env_file(ENV_EXAMPLE)
     used = _config_fields(image_env())
-    for path in (COMPOSE, COMPOSE_GPU):
+    for path in (COMPOSE, COMPOSE_GPU, COMPOSE_TLS):
         used |= _config_fields(load_compose(path, env)["services"]["replica-1"].get("environment", {}))
     for name in ("cpu", "gpu"):
         resources = rendered(name)
@@ -164,17 +169,19 @@ def test_every_maskroll_variable_set_by_the_deployment_is_a_server_config_field(
         used |= _config_fields(one(resources, "ConfigMap", "maskroll-config")["data"])
         used |= _config_fields(v["name"] for v in container["env"])
     assert "tensor_parallel_size" in used  # the engine's settings are part of the check
-    unknown = used - set(config_fields())
+    # The health check's own variables (server/healthcheck.py), set next to the server's.
+    healthcheck_only = {"healthcheck_tls_ca", "healthcheck_tls_server_name"}
+    unknown = used - set(config_fields()) - healthcheck_only
     assert unknown == set()
 
 
 def _gpu_replica_envs() -> dict[str, tuple[dict[str, str], int]]:
     """The GPU deployments' replica environments (the MASKROLL_* part) and the GPUs each replica gets."""
-    env = load_env_file(ENV_EXAMPLE)
+    env = deployable_env(load_env_file(ENV_EXAMPLE))
     base = load_compose(COMPOSE, env)["services"]["replica-1"]["environment"]
     gpu = load_compose(COMPOSE_GPU, env)["services"]["replica-1"]
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
-    resources = rendered("gpu")
+    resources = deployable(rendered("gpu"))
     container = pod_spec(one(resources, "Deployment", "maskroll-replica"))["containers"][0]
     k8s = container_env(resources, container, {"metadata.name": "p", "status.podIP": "10.0.0.1"})
     out = {
@@ -198,6 +205,13 @@ def test_gpu_replicas_run_vllm_in_bfloat16_on_every_gpu_they_are_given(case, mon
     model.mkdir()
     (model / "config.json").write_text("{}")
     deploy_env.update(MASKROLL_MODEL=str(model), MASKROLL_WEIGHTS_ROOT=str(tmp_path))
+    for key in (
+        "MASKROLL_TLS_CERT",
+        "MASKROLL_TLS_KEY",
+    ):  # certificate files: only their existence is checked
+        if key in deploy_env:
+            (tmp_path / key).write_text("")
+            deploy_env[key] = str(tmp_path / key)
     for key, value in deploy_env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(config, "vllm_available", lambda: True)  # the GPU image has vLLM
@@ -231,7 +245,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 def compose_case(model_dir: Path, weights: Path, redis_port: int, port: int, metrics_port: int):
     """replica-1 of compose.yaml: (env, health command, liveness command or None, grace seconds)."""
-    compose = load_compose(COMPOSE, load_env_file(ENV_EXAMPLE))
+    compose = load_compose(COMPOSE, deployable_env(load_env_file(ENV_EXAMPLE)))
     svc = compose["services"]["replica-1"]
     env = Local(model_dir, weights, redis_port).replica_env(svc, port, metrics_port)
     test = svc["healthcheck"]["test"]
@@ -239,9 +253,11 @@ def compose_case(model_dir: Path, weights: Path, redis_port: int, port: int, met
     return env, test[1:], None, duration_s(svc["stop_grace_period"])
 
 
-def k8s_case(model_dir: Path, weights: Path, redis_port: int, port: int, metrics_port: int):
-    """The cpu overlay's replica container, its environment built as the kubelet builds it."""
-    resources = rendered("cpu")
+def k8s_case(model_dir: Path, weights: Path, redis_port: int, port: int, metrics_port: int, tls: Path):
+    """The cpu overlay's replica container, its environment built as the kubelet builds it, with the
+    certificate cert-manager would mount at /tls made by openssl in `tls`. The local redis-server is
+    built without TLS, so only the Redis URL is plaintext here."""
+    resources = deployable(rendered("cpu"))
     deployment = one(resources, "Deployment", "maskroll-replica")
     container = pod_spec(deployment)["containers"][0]
     cfg = one(resources, "ConfigMap", "maskroll-config")["data"]
@@ -255,7 +271,11 @@ def k8s_case(model_dir: Path, weights: Path, redis_port: int, port: int, metrics
         "MASKROLL_PORT": str(port),
         "MASKROLL_METRICS_PORT": str(metrics_port),
         "REDIS_ADDRESS": f"127.0.0.1:{redis_port}",
+        "REDIS_URL_OPTIONS": "",
     }
+    for key in ("MASKROLL_TLS_CERT", "MASKROLL_TLS_KEY", "MASKROLL_HEALTHCHECK_TLS_CA"):
+        assert cfg[key].startswith("/tls/") and "/tls" in mounts
+        overrides[key] = str(tls / PurePosixPath(cfg[key]).name)
     if cfg["MASKROLL_ENGINE"] == "vllm" and not vllm_available():
         overrides["MASKROLL_ENGINE"] = "torch"
     env = container_env(
@@ -264,6 +284,8 @@ def k8s_case(model_dir: Path, weights: Path, redis_port: int, port: int, metrics
         {"metadata.name": "maskroll-replica-test", "status.podIP": "127.0.0.1"},
         overrides,
     )
+    assert env["MASKROLL_REDIS_URL"].startswith("rediss://")
+    env["MASKROLL_REDIS_URL"] = "redis://" + env["MASKROLL_REDIS_URL"].removeprefix("rediss://")
     pre_stop = float(container["lifecycle"]["preStop"]["exec"]["command"][1])
     grace = pod_spec(deployment)["terminationGracePeriodSeconds"] - pre_stop
     return (
@@ -276,19 +298,44 @@ def k8s_case(model_dir: Path, weights: Path, redis_port: int, port: int, metrics
 
 def redis_password(case: str) -> str:
     if case == "compose":
-        return load_env_file(ENV_EXAMPLE)["REDIS_PASSWORD"]
-    return secret_values(one(rendered("cpu"), "Secret", "maskroll-secrets"))["redis-password"]
+        return deployable_env(load_env_file(ENV_EXAMPLE))["REDIS_PASSWORD"]
+    return secret_values(one(deployable(rendered("cpu")), "Secret", "maskroll-secrets"))["redis-password"]
+
+
+@pytest.fixture(scope="module")
+def cert_manager_files(tmp_path_factory) -> Path:
+    """What cert-manager's Secret holds (ca.crt, tls.crt, tls.key) for 127.0.0.1, made with openssl."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command line")
+    d = tmp_path_factory.mktemp("tls")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", *ec, "-keyout", str(d / "ca.key"), "-out", str(d / "ca.crt"), "-days", "1",
+        "-subj", "/CN=maskroll-test-ca")  # fmt: skip
+    run("req", *ec, "-keyout", str(d / "tls.key"), "-out", str(d / "tls.csr"), "-subj", "/CN=replica")
+    (d / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("x509", "-req", "-in", str(d / "tls.csr"), "-CA", str(d / "ca.crt"), "-CAkey", str(d / "ca.key"),
+        "-CAcreateserial", "-out", str(d / "tls.crt"), "-days", "1", "-extfile", str(d / "ext"))  # fmt: skip
+    return d
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["compose", "k8s"])
-def test_entrypoint_serves_with_the_deployment_environment_and_drains_on_sigterm(case, model_dir, tmp_path):
+def test_entrypoint_serves_with_the_deployment_environment_and_drains_on_sigterm(
+    case, model_dir, tmp_path, cert_manager_files
+):
     weights = tmp_path / "weights"
     weights.mkdir()
     with LocalRedis(password=redis_password(case)) as redis:
-        make = compose_case if case == "compose" else k8s_case
         port, metrics_port = free_port(), free_port()
-        deploy_env, health_cmd, live_cmd, grace = make(model_dir, weights, redis.port, port, metrics_port)
+        if case == "compose":
+            made = compose_case(model_dir, weights, redis.port, port, metrics_port)
+        else:
+            made = k8s_case(model_dir, weights, redis.port, port, metrics_port, cert_manager_files)
+        deploy_env, health_cmd, live_cmd, grace = made
         env = clean_environ()
         env.update({k: v for k, v in image_env().items() if k.startswith("MASKROLL_")})
         env.update(deploy_env)

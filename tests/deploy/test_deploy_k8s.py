@@ -1,14 +1,17 @@
 """deploy/k8s rendered (kubectl kustomize, or kustomize_lite without kubectl) and validated offline:
-core resources with kubernetes-validate --strict, the KEDA ScaledObject with the JSON schema of its
-documented fields in schemas/ (a resource of any other kind without a schema fails), then the
-cross-resource facts the deployment relies on."""
+core resources with kubernetes-validate --strict, the KEDA and cert-manager resources with JSON schemas
+of their documented fields in schemas/ (a resource of any other kind without a schema fails), then the
+cross-resource facts the deployment relies on: TLS end to end, no secret on a command line, bounded
+scratch volumes, metrics reachable from the monitoring namespace only."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
-from pathlib import PurePosixPath
+import time
+from pathlib import Path, PurePosixPath
 
 import jsonschema
 import kubernetes_validate
@@ -33,7 +36,12 @@ from maskroll.server.app import ABORT_GRACE_S, STOP_GRACE_S
 # The oldest Kubernetes minor the manifests promise (native sidecar-free, policy/v1, autoscaling/v2)
 # and the newest kubernetes-validate knows.
 K8S_VERSIONS = ("1.30", latest_version())
-CUSTOM_SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): SCHEMAS / "keda-scaledobject.json"}
+CUSTOM_SCHEMAS = {
+    ("keda.sh/v1alpha1", "ScaledObject"): SCHEMAS / "keda-scaledobject.json",
+    ("keda.sh/v1alpha1", "TriggerAuthentication"): SCHEMAS / "keda-triggerauthentication.json",
+    ("cert-manager.io/v1", "Certificate"): SCHEMAS / "cert-manager.json",
+    ("cert-manager.io/v1", "Issuer"): SCHEMAS / "cert-manager.json",
+}
 OVERLAYS = ("cpu", "gpu")
 REPLICA = {"app.kubernetes.io/name": "maskroll", "app.kubernetes.io/component": "replica"}
 REDIS = {"app.kubernetes.io/name": "maskroll", "app.kubernetes.io/component": "redis"}
@@ -72,9 +80,9 @@ def test_every_rendered_resource_validates(name, version):
     assert {k: v for k, v in errors.items() if v} == {}
 
 
-def test_kubernetes_validate_cli_warns_only_about_the_scaledobject(tmp_path):
+def test_kubernetes_validate_cli_warns_only_about_the_custom_resources(tmp_path):
     """The command line of the issue, on every rendered kustomization: exit 0, and its one kind of
-    warning ('no schema') only for the KEDA ScaledObject, which the test above checks instead."""
+    warning ('no schema') only for the KEDA and cert-manager kinds, which the test above checks instead."""
     import yaml
 
     files = []
@@ -86,7 +94,8 @@ def test_kubernetes_validate_cli_warns_only_about_the_scaledobject(tmp_path):
     out = subprocess.run([*cli, *files], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     warnings = [line for line in out.stdout.splitlines() if line.startswith("WARN")]
-    assert warnings and all("kind ScaledObject with api version keda.sh/v1alpha1" in w for w in warnings)
+    custom = [f"kind {kind} with api version {api}" for api, kind in CUSTOM_SCHEMAS]
+    assert warnings and all(any(c in w for c in custom) for w in warnings), warnings
     assert "ERROR" not in out.stdout
 
 
@@ -186,12 +195,18 @@ def test_every_referenced_secret_configmap_and_claim_exists(name):
         resources += [
             r for r in rendered("base") if r["kind"] in ("ConfigMap", "Secret", "PersistentVolumeClaim")
         ]
+    # A Certificate's Secret is created by cert-manager, with these keys.
+    issued = {c["spec"]["secretName"] for c in find(rendered("base"), "Certificate")}
     for workload in workloads(resources):
         spec = pod_spec(workload)
         claims = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
         for volume in spec.get("volumes", []):
             if "persistentVolumeClaim" in volume:
                 one(resources, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+            if "secret" in volume:
+                assert volume["secret"]["secretName"] in issued, volume
+                keys = {i["key"] for i in volume["secret"].get("items", [])}
+                assert keys <= {"tls.crt", "tls.key", "ca.crt"}
         containers = spec["containers"] + spec.get("initContainers", [])
         mounts = {m["name"] for c in containers for m in c.get("volumeMounts", [])}
         assert mounts <= {v["name"] for v in spec.get("volumes", [])} | claims
@@ -247,8 +262,11 @@ def test_replica_environment_composes_the_redis_url_and_advertised_address(name)
     cfg = config(resources)
     env = container_env(resources, replica_container(resources), FIELD_REFS)
     password = secret_values(one(resources, "Secret", "maskroll-secrets"))["redis-password"]
-    assert env["MASKROLL_REDIS_URL"] == f"redis://:{password}@{cfg['REDIS_ADDRESS']}/0"
-    assert env["MASKROLL_ADVERTISE_ADDRESS"] == f"10.0.0.7:{cfg['MASKROLL_PORT']}"
+    ca = cfg["MASKROLL_HEALTHCHECK_TLS_CA"]
+    assert env["MASKROLL_REDIS_URL"] == f"rediss://:{password}@{cfg['REDIS_ADDRESS']}/0?ssl_ca_certs={ca}"
+    assert env["MASKROLL_ADVERTISE_ADDRESS"] == (
+        f"maskroll-replica-abc12.{cfg['REPLICA_DNS_DOMAIN']}:{cfg['MASKROLL_PORT']}"
+    )
     assert env["MASKROLL_REPLICA_ID"] == "maskroll-replica-abc12"
     assert env["MASKROLL_PULL"] == "true"
     assert "$(" not in "".join(env.values()), "an unexpanded $(VAR): referenced before it is defined"
@@ -315,6 +333,14 @@ def test_networkpolicies_admit_only_trainers_and_replicas(name):
         assert policy["spec"]["policyTypes"] == ["Ingress"]
         assert admitted(policy, trainer_labels, port) and admitted(policy, replica_labels, port)
         assert not admitted(policy, stranger, port) and not admitted(policy, redis_labels, port)
+    # Metrics: from the monitoring namespace only, not from any pod of this namespace.
+    metrics = int(config(resources)["MASKROLL_METRICS_PORT"])
+    for labels in (stranger, trainer_labels, redis_labels):
+        assert not admitted(grpc_policy, labels, metrics)
+    (rule,) = [r for r in grpc_policy["spec"]["ingress"] if metrics in [p["port"] for p in r["ports"]]]
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
@@ -346,20 +372,151 @@ def test_every_pod_runs_non_root_without_privileges(name):
             assert sc["readOnlyRootFilesystem"] is True
 
 
+def redis_script(container: dict) -> tuple[list[str], str]:
+    """(redis-server's argv, the configuration it reads on stdin) from the container's `sh -c` script."""
+    assert container["command"][:2] == ["sh", "-c"] and "args" not in container
+    script = container["command"][2]
+    head, _, rest = script.partition("<<EOF\n")
+    stdin, _, _ = rest.partition("\nEOF")
+    argv = shlex.split(head.replace("\\\n", " "))
+    assert argv[0] == "exec" and argv[-1] == "-", "configuration from stdin: `-` last (or first)"
+    return argv[1:-1], stdin
+
+
 def test_redis_keeps_an_append_only_file_on_a_persistent_volume():
     resources = rendered("base")
     redis = one(resources, "StatefulSet", "redis")
     (container,) = pod_spec(redis)["containers"]
-    args = container["args"]
-    opt = {args[i]: args[i + 1] for i in range(1, len(args) - 1, 2)}
+    argv, stdin = redis_script(container)
+    opt = {argv[i]: argv[i + 1] for i in range(1, len(argv) - 1, 2)}
+    assert argv[0] == "redis-server"
     assert opt["--appendonly"] == "yes" and opt["--maxmemory-policy"] == "noeviction"
-    assert opt["--requirepass"] == "$(REDIS_PASSWORD)"
+    # The password reaches Redis on stdin (expanded by the shell), never in its argv.
+    assert stdin == "requirepass $REDIS_PASSWORD" and "--requirepass" not in opt
     env = container_env(resources, container, {})
     secret = secret_values(one(resources, "Secret", "maskroll-secrets"))
     assert env["REDIS_PASSWORD"] == env["REDISCLI_AUTH"] == secret["redis-password"]
     (claim,) = redis["spec"]["volumeClaimTemplates"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert mounts == {claim["metadata"]["name"]: opt["--dir"]}
+    assert mounts[claim["metadata"]["name"]] == opt["--dir"]
+
+
+def test_redis_script_runs_with_the_password_off_its_command_line(tmp_path):
+    """The manifest's own script under a local sh and redis-server (TLS flags dropped: the local build
+    has no TLS; the options and the stdin configuration are the manifest's): clients need the
+    password, and the server's argv never holds it."""
+    import redis as redis_py
+
+    from maskroll.client.local_redis import find_redis_server, free_port
+
+    (container,) = pod_spec(one(rendered("base"), "StatefulSet", "redis"))["containers"]
+    argv, _ = redis_script(container)
+    port = free_port()
+    keep = {k: v for k, v in zip(argv[1::2], argv[2::2], strict=True) if not k.startswith("--tls")}
+    keep.update({"--port": str(port), "--dir": str(tmp_path), "--maxmemory": "64mb"})
+    flags = " ".join(f"{k} {shlex.quote(v)}" for k, v in keep.items())
+    script = container["command"][2]
+    local = f"exec {find_redis_server()} {flags} - <<EOF\n" + script.partition("<<EOF\n")[2]
+    password = "pw-" + "x" * 20
+    proc = subprocess.Popen(["sh", "-c", local], env={"REDIS_PASSWORD": password, "PATH": "/usr/bin:/bin"})
+    try:
+        client = redis_py.Redis(port=port, password=password, socket_timeout=2)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis_py.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.1)
+        with pytest.raises(redis_py.AuthenticationError):
+            redis_py.Redis(port=port, password="wrong", socket_timeout=2).ping()
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()  # exec: the shell became redis-server
+        assert password.encode() not in cmdline
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_redis_and_the_replicas_speak_tls_with_cert_manager_certificates(name):
+    resources = rendered(name)
+    cfg = config(resources)
+    namespace = one(resources, "Namespace")["metadata"]["name"]
+    certs = {c["spec"]["secretName"]: c["spec"] for c in find(resources, "Certificate")}
+    issuers = {(c["issuerRef"]["name"], c["issuerRef"]["kind"]) for c in certs.values()}
+    (ca_issuer,) = [i for i in find(rendered("tls-ca"), "Issuer") if "ca" in i["spec"]]
+    assert issuers == {(ca_issuer["metadata"]["name"], "Issuer")}, "deploy/k8s/tls-ca provides the issuer"
+
+    def volume_of(spec: dict, container: dict, path: str) -> dict:
+        (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+        assert mount.get("readOnly")
+        (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        return volume
+
+    def covers(pattern: str, host: str) -> bool:
+        return pattern == host or (pattern.startswith("*.") and host.split(".", 1)[1] == pattern[2:])
+
+    # Redis: TLS port only, its certificate mounted, its address and the probes' loopback in the names.
+    redis = one(resources, "StatefulSet", "redis")
+    spec = pod_spec(redis)
+    (container,) = spec["containers"]
+    argv, _ = redis_script(container)
+    opt = dict(zip(argv[1::2], argv[2::2], strict=True))
+    assert opt["--port"] == "0" and opt["--tls-port"] == "6379"
+    redis_secret = volume_of(spec, container, opt["--tls-cert-file"])["secret"]["secretName"]
+    assert volume_of(spec, container, opt["--tls-key-file"])["secret"]["secretName"] == redis_secret
+    host = cfg["REDIS_ADDRESS"].rsplit(":", 1)[0]
+    assert any(covers(n, host) for n in certs[redis_secret]["dnsNames"])
+    assert "127.0.0.1" in certs[redis_secret]["ipAddresses"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert "--tls --cacert" in container[probe]["exec"]["command"][-1]
+    # Replicas: serve TLS with their certificate, verify Redis, and are dialled by a covered name.
+    deployment = one(resources, "Deployment", "maskroll-replica")
+    spec = pod_spec(deployment)
+    replica = replica_container(resources)
+    env = container_env(resources, replica, FIELD_REFS)
+    secret = volume_of(spec, replica, env["MASKROLL_TLS_CERT"])["secret"]["secretName"]
+    assert volume_of(spec, replica, env["MASKROLL_TLS_KEY"])["secret"]["secretName"] == secret
+    assert volume_of(spec, replica, env["MASKROLL_HEALTHCHECK_TLS_CA"])["secret"]["secretName"] == secret
+    advertised = env["MASKROLL_ADVERTISE_ADDRESS"].rsplit(":", 1)[0]
+    assert any(covers(n, advertised) for n in certs[secret]["dnsNames"]), advertised
+    assert "127.0.0.1" in certs[secret]["ipAddresses"], "the exec health probes dial loopback"
+    pods = one(resources, "Service", spec["subdomain"])
+    assert pods["spec"]["clusterIP"] == "None" and selects({"matchLabels": pods["spec"]["selector"]}, REPLICA)
+    assert cfg["REPLICA_DNS_DOMAIN"] == f"{spec['subdomain']}.{namespace}.svc.cluster.local"
+    assert env["MASKROLL_REDIS_URL"].startswith("rediss://")
+    assert env["MASKROLL_REDIS_URL"].endswith(f"?ssl_ca_certs={env['MASKROLL_HEALTHCHECK_TLS_CA']}")
+    # KEDA verifies Redis with the same CA.
+    (trigger,) = one(resources, "ScaledObject")["spec"]["triggers"]
+    assert trigger["metadata"]["enableTLS"] == "true"
+    auth = one(resources, "TriggerAuthentication", trigger["authenticationRef"]["name"])
+    assert auth["spec"]["secretTargetRef"] == [{"parameter": "ca", "name": redis_secret, "key": "ca.crt"}]
+
+
+@pytest.mark.parametrize("name", [*OVERLAYS, "trainer", "tools"])
+def test_no_secret_on_any_command_line(name):
+    """Arguments are visible to every process on the node (`ps`); secrets travel in the environment."""
+    resources = rendered(name)
+    base = rendered("base")
+    secrets = set(secret_values(one(base, "Secret", "maskroll-secrets")).values())
+    # trainer and tools run next to an overlay's ConfigMap and Secret
+    shared = [r for r in base if r["kind"] in ("ConfigMap", "Secret")] if name in ("trainer", "tools") else []
+    context = resources + shared
+    for workload in workloads(resources):
+        for container in pod_spec(workload)["containers"]:
+            env = container_env(context, container, FIELD_REFS)
+            argv = [expand_k8s(a, env) for a in container.get("command", []) + container.get("args", [])]
+            assert not any(s in a for s in secrets for a in argv), (workload["metadata"]["name"], argv)
+
+
+@pytest.mark.parametrize("name", [*OVERLAYS, "trainer", "tools"])
+def test_every_scratch_volume_is_bounded(name):
+    for workload in workloads(rendered(name)):
+        for volume in pod_spec(workload).get("volumes", []):
+            if "emptyDir" in volume:
+                assert volume["emptyDir"].get("sizeLimit"), (workload["metadata"]["name"], volume["name"])
 
 
 def test_overlays_differ_in_image_and_accelerator():
@@ -391,9 +548,16 @@ def test_trainer_job_matches_the_replicas_namespace_weights_and_labels():
     argv = container["command"] + container["args"]
     assert argv[:3] == ["maskroll", "demo", "--no-spawn"]
     flags = dict(zip(argv[3::2], argv[4::2], strict=True))
+    assert "--redis-url" not in flags, "the demo reads MASKROLL_REDIS_URL: no password on the command line"
     env = container_env(base, container, {})
     replica_env = container_env(base, replica, FIELD_REFS)
-    assert expand_k8s(flags["--redis-url"], env) == replica_env["MASKROLL_REDIS_URL"]
+    assert env["MASKROLL_REDIS_URL"] == replica_env["MASKROLL_REDIS_URL"]
+    # It verifies the replicas (and Redis) with the CA of the replicas' certificate.
+    ca = env["MASKROLL_HEALTHCHECK_TLS_CA"]
+    (tls_mount,) = [m for m in container["volumeMounts"] if ca.startswith(m["mountPath"] + "/")]
+    (tls,) = [v for v in pod_spec(job)["volumes"] if v["name"] == tls_mount["name"]]
+    assert tls["secret"]["secretName"] == "maskroll-replica-tls"
+    assert tls["secret"]["items"] == [{"key": "ca.crt", "path": ca.rsplit("/", 1)[1]}]
     assert expand_k8s(flags["--namespace"], env) == replica_env["MASKROLL_NAMESPACE"]
     assert expand_k8s(flags["--model"], env) == replica_env["MASKROLL_MODEL"]
     assert flags["--out"].startswith("/tmp/"), "the root filesystem is read-only; /tmp is an emptyDir"

@@ -1,4 +1,5 @@
-"""A private Redis per test module (LocalRedis: free loopback port, stopped by PID)."""
+"""A private Redis per test module (LocalRedis: free loopback port, stopped by PID); one tiny model for
+every test that starts replica processes."""
 
 from __future__ import annotations
 
@@ -16,3 +17,10 @@ def redis_server():
 @pytest.fixture
 def namespace(request) -> str:
     return request.node.name.replace("[", "-").replace("]", "")[:60]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    from maskroll.server.model_init import init_model
+
+    return init_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)

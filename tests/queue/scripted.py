@@ -39,6 +39,7 @@ def scripted_records(job: PromptJob, *, version: int = 0, replica: str = "script
                 replica_id=replica,
                 created_at=time.time(),
                 group_size=n,
+                run_id=job.run_id,  # as a replica does: the job's run
             )
         )
     return out

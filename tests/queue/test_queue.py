@@ -92,7 +92,9 @@ def test_trainer_dying_before_ack_leaves_records_for_the_next(redis_server, name
             await first.submit([5, 6], OPTS, n=4)
             batch = await first.next_batch(timeout=20)
             await first.close()  # dies: read, never acked
-            second = AsyncRolloutQueue(redis_server.url, namespace, batch_size=4, claim_idle_s=0.3)
+            second = AsyncRolloutQueue(
+                redis_server.url, namespace, run="resume", batch_size=4, claim_idle_s=0.3
+            )
             again = await second.next_batch(timeout=20)
             assert sorted(r.rollout_id for r in again) == sorted(r.rollout_id for r in batch)
             assert second.stats.reclaimed == 4
@@ -121,7 +123,7 @@ def test_duplicates_are_dropped_even_after_ack_and_restart(redis_server, namespa
                 await q.next_batch(timeout=0.5)
             assert q.stats.duplicates == 2
         await pub.publish(recs)  # a late duplicate, seen by a brand-new trainer
-        async with AsyncRolloutQueue(redis_server.url, namespace, batch_size=2) as q2:
+        async with AsyncRolloutQueue(redis_server.url, namespace, run="resume", batch_size=2) as q2:
             with pytest.raises(QueueTimeout):
                 await q2.next_batch(timeout=0.5)
             assert q2.stats.duplicates == 2
@@ -135,7 +137,9 @@ def test_malformed_entries_go_to_dead_letters_and_consumption_continues(redis_se
         r = connect(redis_server.url)
         keys = StreamKeys(namespace)
         async with AsyncRolloutQueue(redis_server.url, namespace, batch_size=2) as q:
-            good = scripted_records(wire.decode_job(wire.job_to_pb(_job("j1", 2)).SerializeToString()))
+            good = scripted_records(
+                wire.decode_job(wire.job_to_pb(_job("j1", 2, q.run_id)).SerializeToString())
+            )
             data = wire.encode_record(good[0])
             await r.xadd(keys.rollouts, {F_RECORD: data[:-7]})  # truncated bytes
             await r.xadd(keys.rollouts, {b"foreign": b"schema"})  # someone else's entry
@@ -150,7 +154,7 @@ def test_malformed_entries_go_to_dead_letters_and_consumption_continues(redis_se
         # a malformed prompt job is dead-lettered by the replica, which keeps serving
         await r.xadd(keys.prompts, {F_JOB: b"\xffnot a job"})
         async with (
-            AsyncRolloutQueue(redis_server.url, namespace, batch_size=2) as q,
+            AsyncRolloutQueue(redis_server.url, namespace, run="resume", batch_size=2) as q,
             replica(redis_server.url, namespace),
         ):
             await q.submit([7], OPTS, n=2)
@@ -163,7 +167,7 @@ def test_malformed_entries_go_to_dead_letters_and_consumption_continues(redis_se
     asyncio.run(main())
 
 
-def _job(job_id: str, n: int):
+def _job(job_id: str, n: int, run_id: str):
     import numpy as np
 
     from maskroll.client.records import PromptJob
@@ -172,6 +176,7 @@ def _job(job_id: str, n: int):
         job_id=job_id,
         prompt_ids=np.array([1, 2], np.int32),
         options=SamplingOptions(max_tokens=4, logprobs_k=2, n=n),
+        run_id=run_id,
     )
 
 
@@ -184,7 +189,7 @@ def test_stale_records(redis_server, namespace, policy):
             redis_server.url, namespace, batch_size=2, max_staleness=1, stale_policy=policy
         ) as q:
             q.set_policy_version(5)
-            old, fresh = _job("old", 2), _job("fresh", 2)
+            old, fresh = _job("old", 2, q.run_id), _job("fresh", 2, q.run_id)
             pub = RolloutPublisher(r, keys.rollouts)
             await pub.publish(scripted_records(old, version=3))  # staleness 2 > 1
             await pub.publish(scripted_records(fresh, version=4))  # staleness 1
@@ -241,14 +246,14 @@ def test_full_stream_blocks_the_publisher_instead_of_dropping(redis_server, name
         r = connect(redis_server.url)
         keys = StreamKeys(namespace)
         pub = RolloutPublisher(r, keys.rollouts, max_len=2, wait_timeout_s=0.6, poll_s=0.05)
-        await pub.publish(scripted_records(_job("a", 2)))
-        with pytest.raises(PublishTimeout, match="stayed full"):
-            await pub.publish(scripted_records(_job("b", 1)))
-        assert await r.xlen(keys.rollouts) == 2  # nothing trimmed
         async with AsyncRolloutQueue(redis_server.url, namespace, batch_size=2) as q:
+            await pub.publish(scripted_records(_job("a", 2, q.run_id)))
+            with pytest.raises(PublishTimeout, match="stayed full"):
+                await pub.publish(scripted_records(_job("b", 1, q.run_id)))
+            assert await r.xlen(keys.rollouts) == 2  # nothing trimmed
             waiting = asyncio.create_task(
                 RolloutPublisher(r, keys.rollouts, max_len=2, wait_timeout_s=10, poll_s=0.05).publish(
-                    scripted_records(_job("c", 1))
+                    scripted_records(_job("c", 1, q.run_id))
                 )
             )
             await asyncio.sleep(0.2)
@@ -297,7 +302,7 @@ def test_aof_restart_keeps_acked_state_and_pending_entries(tmp_path):
         return acked, unacked
 
     async def phase2():
-        async with AsyncRolloutQueue(srv.url, "aof", batch_size=2, consumer="trainer-1") as q:
+        async with AsyncRolloutQueue(srv.url, "aof", run="resume", batch_size=2, consumer="trainer-1") as q:
             got = []
             for _ in range(2):
                 b = await q.next_batch(timeout=10)

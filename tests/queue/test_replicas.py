@@ -7,8 +7,6 @@ nothing; a trainer that dies before acking leaves its records to the next; Redis
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,9 +14,10 @@ from collections import Counter
 
 import pytest
 import redis
+from procs import Replicas
 
 from maskroll.client.local_redis import LocalRedis
-from maskroll.client.queue import RolloutQueue
+from maskroll.client.queue import BroadcastError, RolloutQueue
 from maskroll.client.records import SamplingOptions
 from maskroll.client.streams import REPLICA_GROUP, StreamKeys
 from maskroll.server.model_init import encode_text, init_model
@@ -26,82 +25,6 @@ from maskroll.server.model_init import encode_text, init_model
 pytestmark = pytest.mark.slow
 
 OPTS = SamplingOptions(max_tokens=12, logprobs_k=4, temperature=1.0)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return init_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
-
-
-class Replicas:
-    """`maskroll serve --pull` subprocesses; only the processes started here are ever signalled."""
-
-    def __init__(self, model_dir, url: str, namespace: str) -> None:
-        self.model_dir, self.url, self.namespace = model_dir, url, namespace
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, *extra: str) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASKROLL_REDIS_URL": self.url}
-        cmd = [
-            sys.executable,
-            "-m",
-            "maskroll.server.cli",
-            "serve",
-            "--model",
-            str(self.model_dir),
-            "--engine",
-            "torch",
-            "--port",
-            "0",
-            "--threads",
-            "1",
-            "--namespace",
-            self.namespace,
-            "--pull",
-            "--replica-id",
-            name,
-            "--claim-idle-s",
-            "2",
-            "--heartbeat-ttl-s",
-            "3",
-            "--pull-concurrency",
-            "4",
-            "--drain-timeout-s",
-            "5",
-            *extra,
-        ]
-        self.procs[name] = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        for name, p in self.procs.items():
-            deadline = time.monotonic() + timeout
-            while True:
-                line = p.stdout.readline()
-                if "ready on" in line:
-                    break
-                if not line and p.poll() is not None:
-                    raise RuntimeError(f"replica {name} exited with {p.returncode}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"replica {name} not ready after {timeout} s")
-
-    def kill9(self, name: str) -> None:
-        self.procs[name].send_signal(signal.SIGKILL)
-        self.procs[name].wait()
-
-    def stop_all(self) -> dict[str, int]:
-        codes = {}
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for name, p in self.procs.items():
-            try:
-                codes[name] = p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                codes[name] = p.wait()
-        return codes
 
 
 def _pending_of(raw: redis.Redis, keys: StreamKeys, consumer: str) -> list[bytes]:
@@ -187,7 +110,7 @@ def test_trainer_death_and_redis_restart_mid_run(model_dir, tmp_path):
         script = (
             "import json, os, sys\n"
             "from maskroll.client.queue import RolloutQueue\n"
-            f"q = RolloutQueue({srv.url!r}, {ns!r}, batch_size=8, consumer='doomed')\n"
+            f"q = RolloutQueue({srv.url!r}, {ns!r}, run='resume', batch_size=8, consumer='doomed')\n"
             "b = q.next_batch(timeout=120)\n"
             "print(json.dumps([r.rollout_id for r in b]), flush=True)\n"
             "os._exit(0)\n"
@@ -232,8 +155,9 @@ def test_broadcast_weights_reaches_every_live_replica(model_dir, tmp_path):
                 results = q.broadcast_weights(1, str(root / "v1"), timeout=60)
                 assert results == {"rep-1": "ok", "rep-2": "ok"}
                 assert q.policy_version == 1
-                bad = q.broadcast_weights(2, str(tmp_path / "outside-the-root"), timeout=60)
-                assert all("PERMISSION_DENIED" in r for r in bad.values()), bad
+                with pytest.raises(BroadcastError, match="loaded by none of the 2 live replicas") as bad:
+                    q.broadcast_weights(2, str(tmp_path / "outside-the-root"), timeout=60)
+                assert all("PERMISSION_DENIED" in r for r in bad.value.results.values()), bad.value
                 q.set_policy_version(1)
                 for _ in range(2):
                     q.submit(prompt, OPTS, n=4)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from maskroll.client.admission import InFlight, QueueFull, in_flight_limit
-from maskroll.client.batching import GroupBatcher
+from maskroll.client.batching import GroupBatcher, refusal
 from maskroll.client.queue import AsyncRolloutQueue, RolloutQueue
 from maskroll.client.records import RolloutRecord, Semantics
 
@@ -37,6 +37,7 @@ def _loaded(code: str) -> set[str]:
     [
         "maskroll.client.queue",
         "maskroll.client.replicas",
+        "maskroll.client.runs",
         "maskroll.client.streams",
         "maskroll.client.redis_conn",
         "maskroll.client.admission",
@@ -66,6 +67,12 @@ def test_public_names_resolve_to_their_owning_modules():
         "QueueFull": "maskroll.client.admission",
         "QueueUnavailable": "maskroll.client.redis_conn",
         "ReplicaInfo": "maskroll.client.replicas",
+        "ReplicaWeights": "maskroll.client.replicas",
+        "BroadcastError": "maskroll.client.replicas",
+        "RunInfo": "maskroll.client.runs",
+        "RunChoiceRequired": "maskroll.client.runs",
+        "RunNotFound": "maskroll.client.runs",
+        "RunSuperseded": "maskroll.client.runs",
     }
     assert {name: getattr(c, name).__module__ for name in owners} == owners
     import maskroll.client.queue as q  # the queue module re-exports what its callers catch
@@ -75,7 +82,14 @@ def test_public_names_resolve_to_their_owning_modules():
 
 
 PUBLIC = ["__init__", "submit", "next_batch", "batches", "ack", "room", "set_policy_version"]
-PUBLIC += ["replicas", "broadcast_weights", "close"]
+PUBLIC += [
+    "replicas",
+    "replica_weights",
+    "broadcast_weights",
+    "sync_replicas",
+    "cancel_pending_jobs",
+    "close",
+]
 
 
 @pytest.mark.parametrize("name", PUBLIC)
@@ -85,8 +99,8 @@ def test_sync_facade_has_the_async_signature_and_a_docstring(name):
     assert sync.__doc__ and (async_.__doc__ or name == "__init__")
 
 
-def _rec(job: str, i: int, *, size: int = 2, version: int = 0) -> RolloutRecord:
-    """A record with only what batching reads: ids, group size and policy version."""
+def _rec(job: str, i: int, *, size: int = 2, version: int = 0, run: str = "run-a") -> RolloutRecord:
+    """A valid record with only what batching reads set: ids, group size, run and policy version."""
     z, zf = np.zeros(1, np.int32), np.zeros(1, np.float32)
     return RolloutRecord(
         rollout_id=f"{job}-{i}",
@@ -94,7 +108,7 @@ def _rec(job: str, i: int, *, size: int = 2, version: int = 0) -> RolloutRecord:
         prompt_ids=z,
         completion_ids=z,
         sampled_logprobs=zf,
-        sampled_ranks=z,
+        sampled_ranks=np.ones(1, np.int32),
         topk_ids=z[:, None],
         topk_logprobs=zf[:, None],
         finish_reason="stop",
@@ -104,6 +118,7 @@ def _rec(job: str, i: int, *, size: int = 2, version: int = 0) -> RolloutRecord:
         job_id=job,
         sample_index=i,
         group_size=size,
+        run_id=run,
     )
 
 
@@ -166,3 +181,50 @@ def test_in_flight_limit_blocks_then_admits():
         assert f.count == 1
 
     asyncio.run(main())
+
+
+def test_batcher_expires_incomplete_groups_and_keeps_closed_groups_closed():
+    b = GroupBatcher()
+    never = lambda rec: False  # noqa: E731
+    assert b.offer(b"1", _rec("big", 0, size=1000), acked=False, drop=False, now=10.0) == "kept"
+    assert b.offer(b"2", _rec("ok", 0, size=2), acked=False, drop=False, now=11.0) == "kept"
+    assert b.expire(now=12.0, timeout=5.0) == {}  # not old enough
+    assert b.incomplete() == [("big", 1, 1000), ("ok", 1, 2)]
+    expired = b.expire(now=15.5, timeout=5.0)  # "big" waited 5.5 s, "ok" 4.5 s
+    assert list(expired) == ["big"] and [e for e, _ in expired["big"]] == [b"1"]
+    assert b.entry_of("big-0") is None and b.buffered == 1
+    # a late sample of the expired group is not buffered again: it follows its group
+    assert b.offer(b"3", _rec("big", 1, size=1000), acked=False, drop=False, now=16.0) == "expired"
+    # the same sample index under another rollout id is a duplicate, not a second sample
+    dup = _rec("ok", 0, size=2)
+    dup.rollout_id = "forged"
+    assert b.offer(b"4", dup, acked=False, drop=False, now=16.0) == "duplicate"
+    assert b.offer(b"5", _rec("ok", 1, size=2), acked=False, drop=False, now=16.0) == "kept"
+    batch, _ = b.take(2, never)
+    assert [r.rollout_id for r in batch] == ["ok-0", "ok-1"]
+    # a dropped group's late records are dropped too, instead of waiting for samples that went
+    b.drop("gone")
+    assert b.offer(b"6", _rec("gone", 1), acked=False, drop=False, now=17.0) == "drop"
+
+
+def test_refusal_names_run_version_and_semantic_problems():
+    ok = _rec("j", 0, version=3)
+    assert refusal(ok, run_id="run-a", policy_version=3) is None
+    assert refusal(ok, run_id="run-b", policy_version=3) == (
+        "foreign_run",
+        "the record belongs to run run-a, not to this trainer's run run-b",
+    )
+    kind, reason = refusal(_rec("j", 0, run=""), run_id="run-a", policy_version=3)
+    assert kind == "foreign_run" and "no run id" in reason
+    kind, reason = refusal(ok, run_id="run-a", policy_version=2)
+    assert kind == "future_version" and "policy version 3 is ahead of this trainer's version 2" in reason
+    back = _rec("j", 0, version=10)
+    back.completion_ids = np.zeros(3, np.int32)
+    back.sampled_logprobs, back.sampled_ranks = np.zeros(3, np.float32), np.ones(3, np.int32)
+    back.topk_ids, back.topk_logprobs = np.zeros((3, 1), np.int32), np.zeros((3, 1), np.float32)
+    back.version_changes, back.policy_version_last = [(2, 1)], 1
+    kind, reason = refusal(back, run_id="run-a", policy_version=20)
+    assert kind == "future_version" and "goes backwards within the record ([10, 1])" in reason
+    bad = _rec("j", 5)  # sample 5 of a group of 2
+    kind, reason = refusal(bad, run_id="run-a", policy_version=3)
+    assert kind == "invalid" and "sample_index 5 is not in [0, group_size 2)" in reason

@@ -21,11 +21,11 @@ from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
 PROMPT = np.array([256, 72, 105], "<i4")  # <bos> "Hi"
 
 
-def request(prompt=PROMPT, **options) -> pb.GenerateRequest:
+def request(prompt=PROMPT, metadata=None, **options) -> pb.GenerateRequest:
     base = {"max_tokens": 4, "logprobs_k": 2}
     prompt_bytes = prompt if isinstance(prompt, bytes) else np.asarray(prompt, "<i4").tobytes()
     return pb.GenerateRequest(
-        prompt_token_ids=prompt_bytes, options=pb.SamplingOptions(**{**base, **options})
+        prompt_token_ids=prompt_bytes, options=pb.SamplingOptions(**{**base, **options}), metadata=metadata
     )
 
 
@@ -88,6 +88,20 @@ BAD = {
         request(stop_token_ids=[1, 300]),
         "options.stop_token_ids[1] = 300",
     ),
+    # Finite and > 0, but ℓ / T overflows float32: once it killed the torch engine's decode thread.
+    "temperature below float32's reach": (
+        request(temperature=1e-40),
+        "the torch engine refused the request: temperature must be >= 2.94e-35 for the torch engine",
+    ),
+    "temperature denormal, n = 64": (request(temperature=5e-324, n=64), "temperature must be >= 2.94e-35"),
+    "metadata with too many entries": (
+        request(metadata={f"k{i}": "v" for i in range(65)}),
+        "metadata has 65 entries; at most 64",
+    ),
+    "a metadata value of 1 MB": (
+        request(metadata={"blob": "x" * 1_000_000}),
+        "metadata['blob'] has 1000000 characters; at most 4096",
+    ),
 }
 
 
@@ -102,6 +116,17 @@ def test_overlong_request_id_is_invalid_argument(torch_server):  # noqa: F811
     req.request_id = "r" * 300
     assert_refused_then_served(
         torch_server.address, req, grpc.StatusCode.INVALID_ARGUMENT, "request_id has 300"
+    )
+
+
+def test_rollout_stream_without_redis_is_failed_precondition(torch_server):  # noqa: F811
+    req = request()
+    req.rollout_stream = "maskroll:default:rollouts"
+    assert_refused_then_served(
+        torch_server.address,
+        req,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "needs a server started with redis_url",
     )
 
 

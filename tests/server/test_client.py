@@ -79,3 +79,17 @@ def test_records_without_grpc_loaded():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["__init__", "generate", "generate_records", "generate_record", "update_weights", "info", "health"],
+)
+def test_sync_client_has_the_async_signature_and_a_docstring(name):
+    import inspect
+
+    from maskroll.client import RolloutClient, SyncRolloutClient
+
+    sync, async_ = getattr(SyncRolloutClient, name), getattr(RolloutClient, name)
+    assert inspect.signature(sync).parameters == inspect.signature(async_).parameters, name
+    assert sync.__doc__ and async_.__doc__

@@ -307,6 +307,10 @@ def test_limits_and_bad_requests(engine, tiny_model_dir) -> None:
     assert "prompt_ids" in asyncio.run(fails([1, 259], max_tokens=3))
     assert "logprobs_k" in asyncio.run(fails([1, 2], max_tokens=3, logprobs_k=21))
     assert "max_model_len" in asyncio.run(fails([1] * 1024, max_tokens=3))
+    # finite and > 0, but ℓ / T would overflow float32 (issue 11: it killed the decode thread)
+    assert "temperature must be >= 2.94e-35 for the torch engine, got 1e-40" in asyncio.run(
+        fails([1, 2], max_tokens=3, temperature=1e-40)
+    )
     assert len(asyncio.run(_sample(engine, [1, 2], max_tokens=3)).tokens) == 3
     assert engine.num_active == 0
 
@@ -376,7 +380,7 @@ def test_update_weights_between_steps(tiny_model_dir, hf_model, tmp_path) -> Non
         ):
             with pytest.raises(ValueError, match=key.replace(".", r"\.")):
                 await eng.update_weights(6, _save(tensors, tmp_path / f"bad{i}"))
-        with pytest.raises(ValueError, match=r"no \*\.safetensors"):
+        with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
             await eng.update_weights(6, tmp_path)
         assert eng.policy_version == 5
         again = await _sample(eng, prompt, **params)
@@ -395,3 +399,90 @@ def test_engine_reports_the_model_eos(tiny_model_dir):
     from maskroll.server.torch_engine import TorchEngine
 
     assert TorchEngine(tiny_model_dir, threads=1).limits.eos_token_ids == (EOS_ID,)
+
+
+def test_a_row_whose_distribution_is_not_finite_fails_alone(tiny_model_dir, monkeypatch) -> None:
+    """The guard bypassed, a temperature of 1e-40 in a shared batch makes that row's μ NaN: it ends with
+    a SamplingError naming it while the other rows of the same batch run to the end (before issue 11,
+    the exception killed the decode thread and every request hung)."""
+    from maskroll.server import torch_engine
+
+    monkeypatch.setattr(torch_engine, "MIN_TEMPERATURE", 0.0)
+    eng = _engine(tiny_model_dir)
+
+    async def scenario():
+        long = asyncio.create_task(_sample(eng, [256, 72], rid="long", max_tokens=40, logprobs_k=2))
+        await asyncio.sleep(0.05)  # `long` is in the batch when the others join
+        bad = _sample(eng, [256, 72], rid="bad", max_tokens=5, temperature=1e-40)
+        ok = _sample(eng, [256, 73], rid="ok", max_tokens=20, seed=1)
+        return await asyncio.gather(bad, ok, long, return_exceptions=True)
+
+    try:
+        bad, ok, long = asyncio.run(scenario())
+        assert isinstance(bad, torch_engine.SamplingError), bad
+        assert "request bad: the next-token distribution is not finite at completion token 0" in str(bad)
+        assert len(ok.tokens) == 20 and len(long.tokens) == 40
+        assert eng.failure() is None and eng.num_active == 0
+        assert len(asyncio.run(_sample(eng, [1, 2], max_tokens=3)).tokens) == 3
+    finally:
+        asyncio.run(eng.close())
+
+
+def test_a_checkpoint_with_non_finite_values_is_refused(tiny_model_dir, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    eng = _engine(tiny_model_dir)
+    good = load_file(str(tiny_model_dir / "model.safetensors"))
+
+    async def scenario():
+        before = await _sample(eng, [256, 72], max_tokens=8, seed=3, logprobs_k=2)
+        for i, value in enumerate([float("nan"), float("inf"), -float("inf")]):
+            bad = {k: v.clone() for k, v in good.items()}
+            bad["model.layers.0.mlp.up_proj.weight"][3, :2] = value
+            with pytest.raises(
+                ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' in .* has 2 non-finite"
+            ):
+                await eng.update_weights(1, _save(bad, tmp_path / f"bad{i}"))
+        after = await _sample(eng, [256, 72], max_tokens=8, seed=3, logprobs_k=2)
+        assert eng.policy_version == 0 and set(after.versions) == {0}
+        np.testing.assert_array_equal(after.tokens, before.tokens)  # the old weights, untouched
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        asyncio.run(eng.close())
+
+
+def test_a_stuck_forward_kills_the_engine_and_fails_what_is_in_flight(tiny_model_dir) -> None:
+    import threading
+    import time
+
+    from maskroll.server.engine import EngineDead
+
+    eng = _engine(tiny_model_dir, stall_timeout_s=0.5)
+    real, stuck = eng._forward, threading.Event()
+
+    def forward(**kwargs):
+        if stuck.is_set():
+            time.sleep(2)
+        return real(**kwargs)
+
+    eng._forward = forward
+
+    async def scenario():
+        stream = eng.generate(_request([256, 72], max_tokens=500))
+        await stream.__anext__()
+        stuck.set()
+        while eng.failure() is None:  # the health monitor's poll
+            await asyncio.sleep(0.05)
+        with pytest.raises(EngineDead, match=r"no forward finished for 0\.5 s"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDead, match="restart the replica"):
+            await _sample(eng, [1, 2], max_tokens=2)
+        assert eng.num_active == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        asyncio.run(eng.close())

@@ -174,3 +174,34 @@ def test_in_flight_stream_sees_the_version_change_at_a_token_index(server, weigh
     assert rec.version_changes == [(change, v)]
     assert (rec.policy_version_first, rec.policy_version_last) == (v - 1, v)
     np.testing.assert_array_equal(rec.token_versions(), per_token)
+
+
+def test_a_file_swapped_for_a_symlink_between_check_and_load_is_refused(server_loop, engine, server, weights):  # noqa: F811
+    """The check-then-load race of issue 11: the path is checked, then (before the engine opens the
+    files) the checkpoint's file becomes a symlink to weights outside the root. The engine opens only
+    the files that were checked, by inode and without following symlinks, so the load is refused and the
+    old weights serve on."""
+    import shutil
+
+    from maskroll.server import weights as weights_module
+    from maskroll.server.errors import PermissionDenied
+
+    swap = weights / "swap"
+    shutil.copytree(weights / "v1", swap)
+    before = _version(server)
+    checked = weights_module.resolve_checkpoint("swap", weights)
+    target = swap / "model.safetensors"
+    target.unlink()
+    os.symlink(weights.parent / "outside" / "model.safetensors", target)
+    with pytest.raises(PermissionDenied, match=r"model\.safetensors changed after it was checked"):
+        server_loop.run(weights_module.load_checkpoint(engine, before + 1, checked))
+    assert _version(server) == before and engine.policy_version == before
+
+    async def fn(c):
+        return await c.generate_record(PROMPT, OPTS)
+
+    rec = _call(server, fn)
+    assert rec.num_tokens == 12 and rec.policy_version_first == before
+    # Through gRPC the path is checked anew: the symlink now points outside the root.
+    err = _update_error(server, before + 1, "swap")
+    assert err.code == grpc.StatusCode.PERMISSION_DENIED and "links outside the weights_root" in err.message

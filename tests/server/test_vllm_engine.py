@@ -400,13 +400,9 @@ def second_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("vllm-ckpt") / "v1", seed=1)
 
 
-def test_update_weights_rejects_bad_requests_without_pausing(
-    rig: Rig,
-    tmp_path: Path,
-    second_checkpoint: Path,
-) -> None:
-    with pytest.raises(ValueError, match="greater than"):
-        rig.run(rig.engine.update_weights(0, second_checkpoint))
+def test_update_weights_rejects_bad_requests_without_pausing(rig: Rig, tmp_path: Path) -> None:
+    # Which version may follow which is the servicer's rule (per run; tests/server/test_update_weights.py
+    # and tests/queue/test_run_lifecycle.py): the engine refuses only what it cannot load.
     with pytest.raises(FileNotFoundError):
         rig.run(rig.engine.update_weights(5, tmp_path))
     other = init_model(tmp_path / "wide", seed=1, hidden=256, heads=4)

@@ -1,5 +1,7 @@
 """Trainer-side weight publishing: the checkpoint layout a replica accepts, and the publisher's rules
-(every replica or an error naming the ones behind, old versions pruned, nothing half-written)."""
+(every replica or an error naming the ones behind, old versions pruned, nothing half-written, versions
+counted from the run, a resumed run loaded back, a new run's starting weights published only when a
+replica serves other weights). The same publisher against real replicas: tests/queue/test_run_lifecycle.py."""
 
 from __future__ import annotations
 
@@ -7,12 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from maskroll.client import BroadcastError, ReplicaWeights, RunInfo
 from maskroll.server.weights import resolve_checkpoint
 from maskroll.weight_sync import (
     CHECKPOINT_FILE,
     CheckpointPublisher,
     WeightSyncError,
     checkpoint_dir,
+    load_checkpoint,
     save_checkpoint,
 )
 
@@ -46,25 +50,37 @@ def test_checkpoint_round_trips_exact_values_and_is_accepted_by_a_replica(tmp_pa
         assert torch.equal(back[name], t), name
     assert back["extra.t"][2, 1].item() == 5.0
     # the replica's own path rule accepts the layout under its weights root
-    assert resolve_checkpoint("v3", tmp_path) == out.resolve()
+    assert resolve_checkpoint("v3", tmp_path).path == out.resolve()
 
 
-def test_versions_start_at_one_and_empty_state_dicts_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="start at 1"):
-        checkpoint_dir(tmp_path, 0)
+def test_versions_are_not_negative_and_empty_state_dicts_are_refused(tmp_path):
+    assert checkpoint_dir(tmp_path, 0) == tmp_path / "v0"  # a run's starting weights
+    with pytest.raises(ValueError, match=r"versions are >= 0 .* got -1"):
+        checkpoint_dir(tmp_path, -1)
     with pytest.raises(ValueError, match="empty"):
         save_checkpoint({}, tmp_path, 1)
+
+
+def test_load_checkpoint_restores_a_model_exactly_and_names_a_missing_one(tmp_path):
+    trained, fresh = _model(), torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    save_checkpoint(trained, tmp_path, 7)
+    load_checkpoint(fresh, tmp_path / "v7")
+    for name, t in trained.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], t), name
+    with pytest.raises(FileNotFoundError, match=f"no checkpoint at {tmp_path}/v8/model.safetensors"):
+        load_checkpoint(fresh, tmp_path / "v8")
 
 
 def test_publish_reaches_every_replica_and_prunes_old_versions(tmp_path):
     reps = Replicas({"a": "ok", "b": "ok"})
     pub = CheckpointPublisher(reps, tmp_path, keep=2, timeout=7.0)
     m = _model()
-    for v in range(1, 5):
-        assert pub.publish(m, v) == {"a": "ok", "b": "ok"}
-    assert [c[0] for c in reps.calls] == [1, 2, 3, 4]
+    assert pub.publish(m, 0) == {"a": "ok", "b": "ok"}  # a run's starting weights
+    for _ in range(4):
+        assert pub.publish(m) == {"a": "ok", "b": "ok"}  # the next version by default
+    assert [c[0] for c in reps.calls] == [0, 1, 2, 3, 4] and pub.version == 4
     assert reps.calls[-1] == (4, str(tmp_path / "v4"), 7.0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v3", "v4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v3", "v4"]  # v0 pruned like the others
 
 
 def test_a_replica_behind_raises_by_default_and_names_it(tmp_path):
@@ -83,3 +99,65 @@ def test_partial_publish_is_allowed_when_asked_but_none_accepting_always_raises(
     empty = CheckpointPublisher(Replicas({}), tmp_path, require_all=False)
     with pytest.raises(WeightSyncError, match="no live replica"):
         empty.publish(_model(), 3)
+
+
+def test_a_queue_that_no_replica_answered_becomes_a_weight_sync_error(tmp_path):
+    class Nobody(Replicas):
+        def broadcast_weights(self, version, checkpoint_dir, timeout=120.0):
+            raise BroadcastError(version, {"a": "UNAVAILABLE: connection refused"}, "ns")
+
+    with pytest.raises(WeightSyncError, match="a: UNAVAILABLE") as e:
+        CheckpointPublisher(Nobody({}), tmp_path).publish(_model(), 1)
+    assert isinstance(e.value, BroadcastError) and e.value.failed == {"a": "UNAVAILABLE: connection refused"}
+
+
+class RunQueue(Replicas):
+    """Stands in for a RolloutQueue that knows its run: the run, what each replica serves, and the two
+    ways of moving replicas (broadcast a new version, sync them to the current one)."""
+
+    def __init__(self, run: RunInfo, serving: dict) -> None:
+        super().__init__({r: "ok" for r in serving})
+        self.run, self.serving, self.synced = run, serving, 0
+
+    def replica_weights(self, timeout: float = 10.0) -> dict:
+        return dict(self.serving)
+
+    def broadcast_weights(self, version, checkpoint_dir, timeout=120.0):
+        self.run = RunInfo(self.run.run_id, version, checkpoint_dir)
+        return super().broadcast_weights(version, checkpoint_dir, timeout)
+
+    def sync_replicas(self, timeout: float = 120.0) -> dict:
+        self.synced += 1
+        return {r: "unchanged" for r in self.serving}
+
+
+def test_start_publishes_a_new_runs_weights_only_when_a_replica_serves_others(tmp_path):
+    fresh = {"a": ReplicaWeights("", 0), "b": ReplicaWeights("run-b", 0)}
+    q = RunQueue(RunInfo("run-b"), fresh)
+    assert CheckpointPublisher(q, tmp_path).start(_model()) == 0
+    assert q.calls == []  # starting weights everywhere: nothing to load
+    q = RunQueue(RunInfo("run-b"), {**fresh, "c": ReplicaWeights("run-a", 4)})
+    pub = CheckpointPublisher(q, tmp_path)
+    assert pub.start(_model()) == 0
+    assert q.calls == [(0, str(tmp_path / "v0"), 120.0)]  # "c" serves run-a's version 4
+    assert pub.publish(_model()) and q.calls[-1][0] == 1
+
+
+def test_start_resumes_a_run_from_its_latest_checkpoint(tmp_path):
+    trained = _model()
+    with torch.no_grad():
+        trained[0].weight.add_(1.0)
+    save_checkpoint(trained, tmp_path, 5)
+    q = RunQueue(RunInfo("run-a", 5, str(tmp_path / "v5")), {"a": ReplicaWeights("run-a", 5)})
+    restarted = _model()
+    pub = CheckpointPublisher(q, tmp_path)
+    assert pub.start(restarted) == 5 and q.synced == 1
+    assert torch.equal(restarted[0].weight, trained[0].weight)
+    before = (tmp_path / "v5" / CHECKPOINT_FILE).read_bytes()
+    with pytest.raises(ValueError, match="version 5 does not move the run forward: the last published is 5"):
+        pub.publish(_model(), 5)
+    assert (tmp_path / "v5" / CHECKPOINT_FILE).read_bytes() == before  # the resume point is untouched
+    pub.publish(restarted)
+    assert q.calls == [(6, str(tmp_path / "v6"), 120.0)]
+    with pytest.raises(TypeError, match=r"needs a maskroll\.client\.RolloutQueue"):
+        CheckpointPublisher(Replicas({}), tmp_path).start(restarted)

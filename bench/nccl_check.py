@@ -1,0 +1,118 @@
+"""One-command GPU check of the NCCL weight transport: a ~1 GB model broadcast from a trainer rank to a
+vLLM replica through vLLM's weight-transfer engine, rendezvous over maskroll's UpdateWeights RPC.
+
+Needs two CUDA devices (NCCL refuses two ranks on one GPU): the trainer on device 0, one
+`maskroll serve --engine vllm` replica on device 1 (started with
+`--vllm-arg weight_transfer_config={"backend":"nccl"}`), a private Redis for the registry. It forms the
+group (`CollectivePublisher.connect`), publishes `--reps` versions of the model, checks the replica
+serves each version and that its greedy-ish output changed, and prints seconds and GB/s per version.
+
+    python bench/nccl_check.py                 # ~1 GB model (hidden 2048, 14 layers, bf16), 3 versions
+    python bench/nccl_check.py --layers 4 --reps 1
+
+Exit 0 with the figures, 2 when the machine lacks two CUDA devices or vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]  # bench/queue.py
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=14)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--port", type=int, default=29617, help="the NCCL rendezvous port on this host")
+    a = p.parse_args(argv)
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is None or torch.cuda.device_count() < 2:
+        print(f"nccl_check: needs vLLM and 2 CUDA devices (found {torch.cuda.device_count()}); not run")
+        return 2
+    from transformers import AutoModelForCausalLM
+
+    from maskroll.client import RolloutQueue, SamplingOptions, SyncRolloutClient
+    from maskroll.client.local_redis import LocalRedis
+    from maskroll.server.model_init import init_model
+    from maskroll.weight_sync.collective import CollectivePublisher
+
+    with tempfile.TemporaryDirectory(prefix="maskroll-nccl-") as d:
+        model_dir = init_model(Path(d) / "model", hidden=a.hidden, heads=a.hidden // 128, layers=a.layers)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda:0")
+        size = sum(t.numel() * t.element_size() for t in model.parameters())
+        print(f"model: {size / 1e9:.2f} GB bf16 ({a.layers} layers, hidden {a.hidden})", flush=True)
+        with LocalRedis() as srv:
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", "MASKROLL_REDIS_URL": srv.url}
+            cmd = [sys.executable, "-m", "maskroll.server.cli", "serve", "--model", str(model_dir)]
+            cmd += [
+                "--engine",
+                "vllm",
+                "--port",
+                "0",
+                "--namespace",
+                "nccl",
+                "--pull",
+                "--replica-id",
+                "gpu-1",
+            ]
+            cmd += ["--vllm-arg", 'weight_transfer_config={"backend":"nccl"}', "--dtype", "bfloat16"]
+            log_path = Path(d) / "replica.log"
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + 900
+                while "ready on" not in log_path.read_text(errors="replace"):
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        print(log_path.read_text(errors="replace")[-4000:])
+                        return 1
+                    time.sleep(1)
+                with RolloutQueue(srv.url, "nccl", run="new", batch_size=1) as q:
+                    while not q.replicas():
+                        time.sleep(0.2)
+                    address = q.replicas()[0].address
+                    pub = CollectivePublisher(q, model, master_address="127.0.0.1", master_port=a.port)
+                    t0 = time.perf_counter()
+                    print(f"group: {pub.connect()} in {time.perf_counter() - t0:.1f} s", flush=True)
+                    opts = SamplingOptions(max_tokens=8, seed=1, temperature=0.05)
+                    with SyncRolloutClient(address) as c:
+                        before = c.generate_record([1, 2, 3], opts).completion_ids.tolist()
+                    rates = []
+                    for v in range(1, a.reps + 1):
+                        with torch.no_grad():
+                            for param in model.parameters():
+                                param.mul_(1.01)
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        results = pub.publish(v)
+                        seconds = time.perf_counter() - t0
+                        with SyncRolloutClient(address) as c:
+                            served = c.info().policy_version
+                        rates.append(size / seconds / 1e9)
+                        line = f"version {v}: {seconds:.3f} s, {rates[-1]:.2f} GB/s, replica at {served}"
+                        print(f"{line}, {results}", flush=True)
+                        assert served == v, f"replica serves {served}, expected {v}"
+                    with SyncRolloutClient(address) as c:
+                        after = c.generate_record([1, 2, 3], opts).completion_ids.tolist()
+                    print(
+                        f"output changed: {before != after}; median {sorted(rates)[len(rates) // 2]:.2f} GB/s"
+                    )
+            finally:
+                proc.terminate()
+                proc.wait(60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

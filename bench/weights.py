@@ -1,0 +1,193 @@
+"""Weight sync end to end: seconds and MB/s to bring N replicas to a new version of a ~500 MB model,
+the directory transport (trainer save + UpdateWeights + replica load) against the stream (PushWeights),
+and each replica's peak RSS during an update against its steady state.
+
+Replicas are `maskroll serve --pull` processes (torch engine, one thread each) on a private Redis, all
+on this machine (loopback); the trainer is this process, publishing a synthetic model's state dict
+(`maskroll init-model --hidden 1024 --layers 7`, float32) through `CheckpointPublisher` (directory:
+`<tmp>/weights`, the replicas' --weights-root) or `StreamPublisher` (4 MiB chunks). One measurement
+is one `publish` call: from the state dict in the trainer's memory to every replica serving the new
+version. MB/s per replica = model MB / seconds; aggregate = N x model MB / seconds. Repetitions
+alternate the transports so background load hits both alike; the medians are reported.
+
+RSS: every replica's VmRSS is sampled every 10 ms (/proc/<pid>/status) during the update; the
+steady state is the replica's RSS just before it. Target (issue 13): peak - steady <= model + chunk.
+
+    python bench/weights.py                      # N = 1 and 3, 3 repetitions
+    python bench/weights.py --replicas 1 --reps 1 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+# `python bench/weights.py` puts bench/ first on sys.path, where bench/queue.py would shadow the
+# standard library's queue (which torch imports).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+CHUNK = 4 << 20
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except FileNotFoundError:
+        pass
+    return 0.0
+
+
+class RssPeak:
+    """Peak RSS of `pids` while the block runs, sampled every 10 ms."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids, self.peak, self.steady = pids, {p: 0.0 for p in pids}, {p: rss_mb(p) for p in pids}
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for p in self.pids:
+                self.peak[p] = max(self.peak[p], rss_mb(p))
+            time.sleep(0.01)
+
+    def __enter__(self) -> RssPeak:
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+    def growth(self) -> list[float]:
+        return [self.peak[p] - self.steady[p] for p in self.pids]
+
+
+def start_replicas(
+    model: Path, root: Path, url: str, ns: str, n: int, log_dir: Path
+) -> list[subprocess.Popen]:
+    procs = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASKROLL_REDIS_URL": url}
+    for i in range(n):
+        cmd = [
+            sys.executable,
+            "-m",
+            "maskroll.server.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--engine",
+            "torch",
+        ]
+        cmd += ["--port", "0", "--threads", "1", "--namespace", ns, "--pull", "--replica-id", f"rep-{i}"]
+        cmd += ["--weights-root", str(root), "--heartbeat-ttl-s", "30", "--max-message-bytes", str(64 << 20)]
+        log = open(log_dir / f"rep-{i}.log", "w")  # noqa: SIM115 - the child holds it
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        log.close()
+    deadline = time.monotonic() + 600
+    for i, p in enumerate(procs):
+        while "ready on" not in (log_dir / f"rep-{i}.log").read_text(errors="replace"):
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((log_dir / f"rep-{i}.log").read_text(errors="replace")[-3000:])
+            time.sleep(0.2)
+    return procs
+
+
+def measure(n: int, reps: int, model_dir: Path, tmp: Path) -> dict:
+    from safetensors.torch import load_file
+
+    from maskroll.client import RolloutQueue
+    from maskroll.client.local_redis import LocalRedis
+    from maskroll.weight_sync import CheckpointPublisher, StreamPublisher
+
+    state = load_file(str(model_dir / "model.safetensors"))
+    model_mb = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
+    root = tmp / f"weights-{n}"
+    root.mkdir()
+    out: dict = {"replicas": n, "model_mb": model_mb, "directory": [], "stream": []}
+    with LocalRedis() as srv:
+        procs = start_replicas(model_dir, root, srv.url, f"bench{n}", n, tmp)
+        try:
+            with RolloutQueue(srv.url, f"bench{n}", run="new", batch_size=1) as q:
+                while len(q.replicas()) < n:
+                    time.sleep(0.1)
+                pubs = {
+                    "directory": CheckpointPublisher(q, root, keep=1, timeout=600),
+                    "stream": StreamPublisher(q, follow_s=None, timeout=600, chunk_bytes=CHUNK),
+                }
+                for r in range(reps):
+                    for kind in ("directory", "stream") if r % 2 == 0 else ("stream", "directory"):
+                        for t in state.values():  # a new version: every byte differs
+                            t.add_(1e-3)
+                        with RssPeak([p.pid for p in procs]) as rss:
+                            t0 = time.perf_counter()
+                            results = pubs[kind].publish(state)
+                            seconds = time.perf_counter() - t0
+                        assert set(results.values()) == {"ok"}, results
+                        out[kind].append(
+                            {
+                                "seconds": seconds,
+                                "rss_growth_mb": rss.growth(),
+                                "steady_mb": list(rss.steady.values()),
+                            }
+                        )
+                        print(
+                            f"  N={n} {kind:9s} {seconds:6.2f} s  RSS +{max(rss.growth()):.0f} MB", flush=True
+                        )
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(60)
+    for kind in ("directory", "stream"):
+        s = statistics.median(x["seconds"] for x in out[kind])
+        out[f"{kind}_median_s"] = s
+        out[f"{kind}_mb_per_s_per_replica"] = model_mb / s
+        out[f"{kind}_mb_per_s_aggregate"] = n * model_mb / s
+        out[f"{kind}_max_rss_growth_mb"] = max(max(x["rss_growth_mb"]) for x in out[kind])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 3])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--layers", type=int, default=7)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    from maskroll.server.model_init import init_model
+
+    with tempfile.TemporaryDirectory(prefix="maskroll-wbench-") as d:
+        tmp = Path(d)
+        model_dir = init_model(tmp / "model", hidden=1024, heads=16, layers=a.layers)
+        results = [measure(n, a.reps, model_dir, tmp) for n in a.replicas]
+    if a.json:
+        print(json.dumps(results, indent=2))
+    print(f"model: {results[0]['model_mb']:.0f} MB float32; chunk {CHUNK >> 20} MiB; medians of {a.reps}")
+    print("| replicas | transport | seconds | MB/s per replica | MB/s aggregate | peak RSS growth (MB) |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        for kind in ("directory", "stream"):
+            s, per, agg = (
+                r[f"{kind}_median_s"],
+                r[f"{kind}_mb_per_s_per_replica"],
+                r[f"{kind}_mb_per_s_aggregate"],
+            )
+            rss = r[f"{kind}_max_rss_growth_mb"]
+            print(f"| {r['replicas']} | {kind} | {s:.2f} | {per:.0f} | {agg:.0f} | {rss:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The training run that owns a namespace: its identity and version history, kept in Redis.
+
+One small hash per namespace, `maskroll:<ns>:run` (`StreamKeys.run`; docs/records.md, "Runs"):
+
+    run_id      32 hex characters, new for every run
+    version     the last policy version published in the run (0: the weights the run started from)
+    checkpoint  where that version's weights are (a directory under the replicas' weights root, or
+                "stream" when the trainer pushes them over gRPC);
+                "" while the run has published nothing
+    started_at, updated_at   unix seconds
+    started_by  the consumer name of the trainer that started the run
+
+A trainer either starts a new run (a new id: the namespace's prompt jobs no replica has started are
+cancelled, and records of older runs are refused as they arrive) or resumes the current one (the same
+id, continuing from `version`). Nothing mixes the two silently: opening a namespace that already has a
+run without saying which raises `RunChoiceRequired`. `advance` records each published version
+atomically, refusing a version that does not move forward and a trainer whose run was superseded by a
+newer one. Knows nothing of records, batches or replicas.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+import redis.asyncio as aioredis
+
+from .streams import StreamKeys
+
+RunMode = Literal["new", "resume"]
+
+
+class RunError(RuntimeError):
+    """The namespace's run is not the one this trainer may use."""
+
+
+class RunChoiceRequired(RunError):
+    """The namespace already has a run and the trainer said neither run="new" nor run="resume"."""
+
+
+class RunNotFound(RunError):
+    """run="resume" on a namespace with no run to resume."""
+
+
+class RunSuperseded(RunError):
+    """Another trainer started a new run on this namespace: this trainer's run is over."""
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """A run as recorded in Redis (the hash fields, typed)."""
+
+    run_id: str
+    version: int = 0
+    checkpoint: str = ""
+    started_at: float = 0.0
+    updated_at: float = 0.0
+    started_by: str = ""
+
+    @classmethod
+    def from_hash(cls, h: dict) -> RunInfo:
+        """From HGETALL's reply (bytes keys and values, as the queue's client returns them)."""
+        text = {_text(k): _text(v) for k, v in h.items()}
+        return cls(
+            run_id=text.get("run_id", ""),
+            version=int(text.get("version") or 0),
+            checkpoint=text.get("checkpoint", ""),
+            started_at=float(text.get("started_at") or 0),
+            updated_at=float(text.get("updated_at") or 0),
+            started_by=text.get("started_by", ""),
+        )
+
+    def describe(self) -> str:
+        ago = max(0.0, time.time() - (self.updated_at or self.started_at))
+        return (
+            f"run {self.run_id} (policy version {self.version}, updated {_ago(ago)} ago, "
+            f"started by {self.started_by or 'unknown'})"
+        )
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+# Creates the run only if the namespace has none; returns {created, HGETALL}. Atomic, so two trainers
+# opening a fresh namespace at once cannot both believe they started it.
+_CREATE_IF_ABSENT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {0, redis.call('HGETALL', KEYS[1])} end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return {1, redis.call('HGETALL', KEYS[1])}
+"""
+
+# ARGV: run_id, version, checkpoint, now. The version must move forward (0 may be re-announced while the
+# run is at 0: publishing the starting weights); the run must still be the namespace's.
+_ADVANCE = """
+local cur = redis.call('HGET', KEYS[1], 'run_id')
+if cur ~= ARGV[1] then return {'superseded', cur or ''} end
+local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+local nv = tonumber(ARGV[2])
+if nv < v or (nv == v and nv ~= 0) then return {'behind', tostring(v)} end
+redis.call('HSET', KEYS[1], 'version', ARGV[2], 'checkpoint', ARGV[3], 'updated_at', ARGV[4])
+return {'ok', ARGV[2]}
+"""
+
+
+def _mapping(run: RunInfo) -> dict[str, str]:
+    return {
+        "run_id": run.run_id,
+        "version": str(run.version),
+        "checkpoint": run.checkpoint,
+        "started_at": repr(run.started_at),
+        "updated_at": repr(run.updated_at),
+        "started_by": run.started_by,
+    }
+
+
+async def read_run(r: aioredis.Redis, keys: StreamKeys) -> RunInfo | None:
+    """The namespace's current run, or None if it has none."""
+    h = await r.hgetall(keys.run)
+    return RunInfo.from_hash(h) if h else None
+
+
+async def open_run(
+    r: aioredis.Redis, keys: StreamKeys, mode: RunMode | None, trainer: str
+) -> tuple[RunInfo, bool]:
+    """(the run this trainer uses, whether it is new). mode None starts a run only on a namespace that
+    has none and otherwise raises RunChoiceRequired; "new" replaces the namespace's run; "resume"
+    continues it (RunNotFound if there is none)."""
+    if mode not in (None, "new", "resume"):
+        raise ValueError(
+            f"run={mode!r}; expected 'new', 'resume' or None (new only if the namespace has none)"
+        )
+    if mode == "resume":
+        run = await read_run(r, keys)
+        if run is None:
+            raise RunNotFound(
+                f"run='resume' but namespace {keys.namespace!r} has no run to resume; pass run='new'"
+            )
+        return run, False
+    now = time.time()
+    fresh = RunInfo(run_id=new_run_id(), started_at=now, updated_at=now, started_by=trainer)
+    if mode == "new":
+        pipe = r.pipeline(transaction=True)
+        pipe.delete(keys.run)
+        pipe.hset(keys.run, mapping=_mapping(fresh))
+        await pipe.execute()
+        return fresh, True
+    flat = [x for kv in _mapping(fresh).items() for x in kv]
+    created, h = await r.eval(_CREATE_IF_ABSENT, 1, keys.run, *flat)
+    run = RunInfo.from_hash(dict(zip(h[::2], h[1::2], strict=True)))
+    if not created:
+        raise RunChoiceRequired(
+            f"namespace {keys.namespace!r} already has {run.describe()}. Choose: run='resume' continues it "
+            f"from version {run.version}; run='new' starts a new run (the old run's unstarted jobs are "
+            "cancelled and its records refused)"
+        )
+    return run, True
+
+
+async def advance(r: aioredis.Redis, keys: StreamKeys, run_id: str, version: int, checkpoint: str) -> None:
+    """Record `version` (at `checkpoint`) as the run's latest. Raises RunSuperseded if the namespace now
+    belongs to another run, ValueError if `version` does not move the run forward."""
+    status, detail = await r.eval(
+        _ADVANCE, 1, keys.run, run_id, str(int(version)), checkpoint, repr(time.time())
+    )
+    status, detail = _text(status), _text(detail)
+    if status == "superseded":
+        current = f"run {detail}" if detail else "no run (its record was deleted)"
+        raise RunSuperseded(
+            f"namespace {keys.namespace!r} now belongs to {current}, not to this trainer's run {run_id}: "
+            "another trainer started a new run; stop this one (or open the queue with run='resume')"
+        )
+    if status == "behind":
+        raise ValueError(
+            f"policy version {version} does not move run {run_id} forward: it is at version {detail} "
+            "(versions increase by publish; after a restart, open the queue with run='resume')"
+        )
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -1,0 +1,311 @@
+"""Where a framework adapter's rollouts come from: the Redis queue (pull-mode replicas) or direct gRPC.
+
+Both sources speak in *jobs* (one prompt, `n` samples, the framework's rows that go with it) and
+*groups* (a job's finished records, ordered by sample index), and share one admission rule: at most
+(max_staleness + 1) × batch_size rollouts in flight, so a trainer that submits ahead of its optimiser
+steps never runs further ahead than the staleness bound allows. A group older than `max_staleness`
+policy versions when it is taken is not trained on: it is confirmed (acked) and its prompt submitted
+again, so no prompt is lost and none is trained stale.
+
+- `QueueSource`: `RolloutQueue` submit / next_batch / ack; replicas pull jobs, any number of them.
+- `GrpcSource`: no Redis — each job is one `Generate` call to a replica (round robin), on a thread pool.
+
+Knows nothing of TRL or verl: `integrations/trl.py` drives it. Weight broadcast for `CheckpointPublisher`
+is `source.broadcaster` (the queue itself, or a gRPC fan-out over the fixed addresses).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from maskroll.client import QueueTimeout, RolloutQueue, RolloutRecord, SamplingOptions, SyncRolloutClient
+from maskroll.client.runs import RunMode
+
+log = logging.getLogger("maskroll.integrations")
+
+Group = list[RolloutRecord]  # one job's records, by sample index
+
+
+@dataclass
+class Job:
+    """One prompt to sample `n` times, with the framework's rows (one per sample) kept trainer-side."""
+
+    prompt_ids: list[int]
+    rows: list[Any]  # [n] whatever the framework needs back with the completions (TRL: dataset rows)
+    job_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def n(self) -> int:
+        return len(self.rows)
+
+
+class GenerationError(RuntimeError):
+    """Rollouts cannot arrive: a replica rejected a job, or none came within the timeout."""
+
+
+@dataclass
+class SourceStats:
+    """Counters since the source was opened (groups unless the name says otherwise)."""
+
+    submitted: int = 0
+    taken: int = 0
+    stale_resubmitted: int = 0
+    foreign_dropped: int = 0  # records of jobs this trainer did not submit (a previous run's leftovers)
+
+
+def _groups(records: Sequence[RolloutRecord]) -> list[Group]:
+    """Records of whole groups → one list per job, jobs in arrival order, each by sample index."""
+    by_job: dict[str, Group] = {}
+    for rec in records:
+        by_job.setdefault(rec.job_id, []).append(rec)
+    return [sorted(g, key=lambda r: r.sample_index) for g in by_job.values()]
+
+
+def staleness(group: Group, version: int) -> int:
+    """Versions between the trainer's policy and the oldest token of the group."""
+    return version - min(r.policy_version_first for r in group)
+
+
+class _Source:
+    """What both sources share: the job ledger, admission, the staleness rule."""
+
+    def __init__(self, *, batch_size: int, max_staleness: int, options: SamplingOptions, timeout: float):
+        self.batch_size, self.max_staleness = batch_size, max_staleness
+        self.options, self.timeout = options, timeout
+        self.jobs: dict[str, Job] = {}  # submitted, not yet done
+        self.stats = SourceStats()
+        self._ready: collections.deque[Group] = collections.deque()  # taken from the wire, not yet handed out
+
+    @property
+    def limit(self) -> int:
+        return (self.max_staleness + 1) * self.batch_size
+
+    def _options(self, job: Job) -> SamplingOptions:
+        return replace(self.options, n=job.n)
+
+    def take(self, count: int, version: int) -> list[tuple[Group, Job]]:
+        """Whole groups totalling `count` records, none more than max_staleness versions old, with jobs."""
+        out, have = [], 0
+        deadline = time.monotonic() + self.timeout
+        while have < count:
+            if not self._ready:
+                self._ready.extend(self._receive(deadline))
+                continue
+            group = self._ready.popleft()
+            job = self.jobs.get(group[0].job_id)
+            if job is None:
+                self.stats.foreign_dropped += len(group)
+                self._confirm(group)
+                continue
+            if staleness(group, version) > self.max_staleness:
+                # Confirm the stale copy first: that frees the room the resubmitted job takes.
+                self._confirm(group)
+                del self.jobs[job.job_id]
+                self.stats.stale_resubmitted += 1
+                self.submit(Job(job.prompt_ids, job.rows))
+                continue
+            out.append((group, job))
+            have += len(group)
+        if have != count:
+            raise GenerationError(f"groups of {[len(g) for g, _ in out]} records do not add up to {count}")
+        self.stats.taken += len(out)
+        return out
+
+    def done(self, groups: Sequence[Group]) -> None:
+        """The optimiser steps that used these groups are over: confirm them and free their room."""
+        for g in groups:
+            self.jobs.pop(g[0].job_id, None)
+        self._confirm([r for g in groups for r in g])
+
+    # per transport
+    def room(self) -> int: ...
+    def submit(self, job: Job) -> None: ...
+    def _receive(self, deadline: float) -> list[Group]: ...
+    def _confirm(self, records: Sequence[RolloutRecord]) -> None: ...
+    def generate_now(self, prompt_ids: Sequence[int], n: int) -> Group: ...
+    def close(self) -> None: ...
+
+
+class QueueSource(_Source):
+    """Jobs on the namespace's prompt stream; records from its rollout stream, acked when done."""
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        *,
+        batch_size: int,
+        max_staleness: int,
+        options: SamplingOptions,
+        timeout: float = 600.0,
+        token: str | None = None,
+        root_certs: bytes | None = None,
+        run: RunMode | None = None,
+    ) -> None:
+        super().__init__(batch_size=batch_size, max_staleness=max_staleness, options=options, timeout=timeout)
+        # stale_policy "keep": the staleness rule is applied here, per group, so a stale group's prompt
+        # can be submitted again (the queue's "drop" would ack it and the prompt would be lost).
+        self.queue = RolloutQueue(
+            url,
+            namespace,
+            run=run,
+            batch_size=batch_size,
+            max_staleness=max_staleness,
+            stale_policy="keep",
+            token=token,
+            tls=root_certs is not None,
+            root_certs=root_certs,
+        )
+        self.broadcaster = self.queue  # CheckpointPublisher: UpdateWeights on every live replica
+        self.namespace = namespace
+        self._token, self._root_certs = token, root_certs
+        self._failed_seen = 0
+
+    def wait_for_replicas(self, count: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(reps := self.queue.replicas()) < count:
+            if time.monotonic() > deadline:
+                raise GenerationError(
+                    f"{len(reps)} of {count} replicas registered in namespace {self.namespace!r} "
+                    f"after {timeout:.0f} s: start `maskroll serve --pull` replicas on the same Redis"
+                )
+            time.sleep(0.2)
+
+    def room(self) -> int:
+        return self.queue.room() or 0
+
+    def submit(self, job: Job) -> None:
+        self.queue.submit(job.prompt_ids, self._options(job), job_id=job.job_id, group_id=job.job_id)
+        self.jobs[job.job_id] = job
+        self.stats.submitted += 1
+
+    def _receive(self, deadline: float) -> list[Group]:
+        while True:
+            failed = self.queue.stats.failed_jobs
+            if failed > self._failed_seen:
+                self._failed_seen = failed
+                raise GenerationError(
+                    f"{failed} prompt job(s) were rejected by a replica (its log and the warning above say "
+                    "why, e.g. a prompt longer than the replica's max_model_len)"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise GenerationError(
+                    f"no rollouts within {self.timeout:.0f} s ({len(self.queue.replicas())} live replicas, "
+                    f"{self.queue.in_flight} rollouts in flight)"
+                )
+            try:  # short waits, so a rejected job is reported promptly instead of at the deadline
+                return _groups(self.queue.next_batch(self.batch_size, timeout=min(remaining, 2.0)))
+            except QueueTimeout:
+                continue
+
+    def _confirm(self, records: Sequence[RolloutRecord]) -> None:
+        self.queue.ack(records)
+
+    def generate_now(self, prompt_ids: Sequence[int], n: int) -> Group:
+        """n samples of one prompt from the first live replica, over gRPC (evaluation: not queued)."""
+        reps = self.queue.replicas()
+        if not reps:
+            raise GenerationError("no live replica to evaluate on")
+        with SyncRolloutClient(reps[0].address, token=self._token, root_certs=self._root_certs) as c:
+            return c.generate_records(list(prompt_ids), replace(self.options, n=n))
+
+    def close(self) -> None:
+        # Jobs read ahead that no replica has started will never be trained on: take them back.
+        self.queue.close(cancel_jobs=True)
+
+
+class _GrpcBroadcaster:
+    """UpdateWeights on a fixed list of replicas, in the shape CheckpointPublisher expects."""
+
+    def __init__(self, clients: dict[str, SyncRolloutClient]) -> None:
+        self.clients = clients
+
+    def broadcast_weights(self, version: int, checkpoint_dir: str, timeout: float = 120.0) -> dict[str, str]:
+        results = {}
+        for address, c in self.clients.items():
+            try:
+                c.update_weights(version, checkpoint_dir, timeout=timeout)
+                results[address] = "ok"
+            except Exception as e:  # reported per replica; CheckpointPublisher decides whether to raise
+                results[address] = f"{type(e).__name__}: {e}"
+        return results
+
+
+class GrpcSource(_Source):
+    """No Redis: each job is one streaming Generate call to the next replica, on a thread pool."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        batch_size: int,
+        max_staleness: int,
+        options: SamplingOptions,
+        timeout: float = 600.0,
+        token: str | None = None,
+        root_certs: bytes | None = None,
+        workers: int = 16,
+    ) -> None:
+        if not addresses:
+            raise ValueError("GrpcSource needs at least one replica address (host:port)")
+        super().__init__(batch_size=batch_size, max_staleness=max_staleness, options=options, timeout=timeout)
+        auth = {"token": token, "tls": root_certs is not None, "root_certs": root_certs}
+        self.clients = {a: SyncRolloutClient(a, **auth) for a in addresses}
+        self.broadcaster = _GrpcBroadcaster(self.clients)
+        self._next_client = itertools.cycle(list(self.clients.values()))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="maskroll-generate")
+        self._futures: collections.deque[Future] = collections.deque()  # in submission order
+        self._in_flight = 0
+
+    def room(self) -> int:
+        return max(0, self.limit - self._in_flight)
+
+    def replica_version(self) -> int:
+        """The newest policy version the replicas report (GetInfo)."""
+        return max(c.info().policy_version for c in self.clients.values())
+
+    def submit(self, job: Job) -> None:
+        client = next(self._next_client)
+        self._futures.append(
+            self._pool.submit(
+                client.generate_records,
+                job.prompt_ids,
+                self._options(job),
+                job_id=job.job_id,
+                group_id=job.job_id,
+            )
+        )
+        self.jobs[job.job_id] = job
+        self._in_flight += job.n
+        self.stats.submitted += 1
+
+    def _receive(self, deadline: float) -> list[Group]:
+        if not self._futures:
+            raise GenerationError("nothing was submitted: no rollouts can arrive")
+        fut = self._futures.popleft()
+        try:
+            return [fut.result(timeout=max(0.0, deadline - time.monotonic()))]
+        except TimeoutError:
+            raise GenerationError(f"no rollouts within {self.timeout:.0f} s") from None
+
+    def _confirm(self, records: Sequence[RolloutRecord]) -> None:
+        self._in_flight -= len(records)
+
+    def generate_now(self, prompt_ids: Sequence[int], n: int) -> Group:
+        return next(self._next_client).generate_records(list(prompt_ids), replace(self.options, n=n))
+
+    def close(self) -> None:
+        for f in self._futures:
+            f.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for c in self.clients.values():
+            c.close()

@@ -1,0 +1,725 @@
+"""TRL's GRPOTrainer with maskroll: generation on maskroll replicas, maskroll's masks as the loss.
+
+A TRL user changes the class and adds one config object::
+
+    trainer = MaskrollGRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=ds,
+                                  maskroll=MaskrollConfig(redis_url=..., namespace=..., weights_root=...))
+
+What changes under TRL's training loop:
+- **Generation**: the prompts of each generation batch become jobs on the replicas (`rollouts.py`: the
+  Redis queue, or direct gRPC when no Redis URL is given). The trainer reads the next generation batches
+  ahead from its dataloader (`get_batch_samples`) and submits them while admission allows, so they are
+  generated during the current optimiser steps, at most `max_staleness` policy versions behind.
+  Completions come back as records (sampled and top-K logprobs of the distribution sampled from);
+  TRL's reward functions, reward weights and advantage scaling run on them unchanged.
+- **Loss**: `compute_loss` is maskroll's `token_logprobs` → `compute_masks` → `policy_loss` on the
+  records (temperature and replayed truncation as collate carries them), aggregated as TRL's
+  `loss_type` says; TRL's `beta` KL-to-reference term is added the TRL way. Mask, divergence,
+  mismatch and IS-weight metrics land in TRL's logs as `maskroll/*`.
+- **Weights**: after every `publish_every` optimiser steps, `CheckpointPublisher` writes the policy
+  under the replicas' `--weights-root` and every live replica loads it as the next version.
+
+Options whose meaning maskroll replaces or cannot honour are refused by name at construction
+(`UnsupportedOption`), never ignored. One process (no multi-GPU data parallelism), no PEFT adapters.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from maskroll.client import SamplingOptions
+from maskroll.client.runs import RunMode
+from maskroll.trainer_adapter import (
+    MaskConfig,
+    MaskResult,
+    collate,
+    compute_masks,
+    direction_agreement,
+    policy_loss,
+    token_logprobs,
+)
+from maskroll.weight_sync import CheckpointPublisher
+
+from .rollouts import GrpcSource, Job, QueueSource, _Source
+
+with warnings.catch_warnings():
+    # TRL warns at import about the vLLM version installed next to it; generation never uses TRL's vLLM.
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM", category=UserWarning)
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.data_utils import is_conversational
+    from trl.trainer.utils import nanstd
+
+log = logging.getLogger("maskroll.integrations.trl")
+
+Tensor = torch.Tensor
+
+# TRL loss_type → how maskroll's per-token loss is aggregated (TRL's normalisations, docs/integrations.md).
+LOSS_TYPES = {
+    "dapo": "token_mean",  # then rescaled to the generation batch's token count, as TRL does
+    "bnpo": "token_mean",
+    "grpo": "seq_mean_token_mean",
+    "dr_grpo": "seq_mean_token_sum_norm",
+}
+
+
+class UnsupportedOption(ValueError):
+    """A TRL option MaskrollGRPOTrainer would otherwise have to ignore."""
+
+
+@dataclass(frozen=True)
+class MaskrollConfig:
+    """What MaskrollGRPOTrainer adds to TRL's GRPOConfig.
+
+    redis_url / namespace: the queue the pull-mode replicas serve (`maskroll serve --pull`).
+    run: "new" starts a new training run on the namespace, "resume" continues its current run (the
+        model is loaded from the run's latest checkpoint); None starts one only on an empty namespace.
+    replicas: "host:port" of replicas to call directly over gRPC, used when `redis_url` is None.
+    weights_root: the directory the replicas were started with as `--weights-root` (shared volume).
+    mask: the trust-region mask (method, divergence, estimator, δ); its top-K divergences use the
+        records' top-K logprobs.
+    logprobs_k: K top-K logprobs per sampled token (the replicas' `--max-logprobs` bounds it).
+    max_staleness: generation may run this many policy versions ahead of the optimiser.
+    publish_every: optimiser steps per published policy version.
+    is_cap: the truncated-IS cap C of maskroll's policy loss (docs/math.md §5).
+    generation_timeout_s: how long one generation batch may take before the trainer gives up.
+    min_replicas: replicas that must be registered before training starts (queue mode).
+    token / root_certs: the replicas' bearer token and TLS roots (PEM).
+    direction_diagnostics: after each optimiser step, score each rule's predicted direction of D
+        against the realised change on the last micro-batch (`maskroll/agree_*`; one more forward).
+    """
+
+    redis_url: str | None = None
+    namespace: str = "default"
+    run: RunMode | None = None
+    replicas: tuple[str, ...] = ()
+    weights_root: str | os.PathLike | None = None
+    mask: MaskConfig = field(default_factory=MaskConfig)
+    logprobs_k: int = 20
+    max_staleness: int = 1
+    publish_every: int = 1
+    is_cap: float = 10.0
+    generation_timeout_s: float = 600.0
+    min_replicas: int = 1
+    token: str | None = None
+    root_certs: bytes | None = None
+    direction_diagnostics: bool = False
+
+    def __post_init__(self) -> None:
+        if self.redis_url is None and not self.replicas:
+            raise ValueError(
+                "MaskrollConfig needs redis_url (queue mode) or replicas (direct gRPC addresses)"
+            )
+        if self.weights_root is None:
+            raise ValueError(
+                "MaskrollConfig.weights_root is required: the directory the replicas were started with as "
+                "--weights-root, where each new policy version is written for them to load"
+            )
+        if not isinstance(self.mask, MaskConfig):
+            raise TypeError(f"MaskrollConfig.mask must be a MaskConfig, got {type(self.mask).__name__}")
+        for name, low in (("logprobs_k", 1), ("max_staleness", 0), ("publish_every", 1), ("min_replicas", 1)):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= low):
+                raise ValueError(f"MaskrollConfig.{name}={value!r}; expected an int >= {low}")
+        for name in ("is_cap", "generation_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"MaskrollConfig.{name}={value!r}; expected a finite number > 0")
+
+
+# ---- what is refused, and why -----------------------------------------------------------------------
+
+_GEN = "generation runs on the maskroll replicas, which sample with temperature, top_p and top_k only"
+_LOSS = "maskroll's trust-region mask and truncated IS replace TRL's clipped objective"
+# GRPOConfig fields that must keep TRL's default, with the reason and what to use instead.
+_MUST_BE_DEFAULT = {
+    "use_vllm": _GEN + " (start the replicas with `maskroll serve --engine vllm`)",
+    "use_transformers_continuous_batching": _GEN,
+    "min_p": _GEN,
+    "repetition_penalty": _GEN,
+    "generation_kwargs": _GEN,
+    "epsilon": _LOSS + ": set MaskConfig(method='ppo', eps_low=...) or MaskConfig(delta=...)",
+    "epsilon_high": _LOSS + ": set MaskConfig(method='ppo', eps_high=...)",
+    "delta": _LOSS + ": the IS cap is MaskrollConfig.is_cap",
+    "importance_sampling_level": _LOSS + ": masks and IS weights are per token",
+    "off_policy_mask_threshold": _LOSS + ": the mask is MaskrollConfig.mask",
+    "top_entropy_quantile": _LOSS,
+    "entropy_coef": "the entropy bonus is not part of maskroll's loss",
+    "use_adaptive_entropy": "the entropy bonus is not part of maskroll's loss",
+    "max_tool_calling_iterations": "tool calling is not supported",
+}
+_CTOR_REFUSED = {
+    "peft_config": "replicas load full Hugging Face state dicts; merge the adapter or train the full model",
+    "tools": "tool calling is not supported",
+    "rollout_func": "generation is maskroll's (MaskrollConfig)",
+    "environment_factory": "environments are not supported",
+}
+
+
+def refusals(args: GRPOConfig | None, mask: MaskConfig, **ctor: Any) -> list[str]:
+    """Every reason to refuse this configuration, each naming the option (empty: supported)."""
+    out = [f"{name}: {why}" for name, why in _CTOR_REFUSED.items() if ctor.get(name) not in (None, [], {})]
+    if args is None:
+        return out
+    defaults = {f.name: f.default for f in fields(GRPOConfig)}
+    for name, why in _MUST_BE_DEFAULT.items():
+        if name in defaults and getattr(args, name) != defaults[name]:
+            out.append(f"{name}={getattr(args, name)!r}: {why}")
+    if args.loss_type not in LOSS_TYPES:
+        out.append(
+            f"loss_type={args.loss_type!r}: a different policy objective; {_LOSS}. The loss types that "
+            f"choose maskroll's aggregation are {sorted(LOSS_TYPES)}"
+        )
+    if (args.top_k or args.top_p < 1.0) and not mask.replay_truncation:
+        out.append(
+            f"top_k={args.top_k}, top_p={args.top_p}: truncated sampling renormalises μ over the kept set; "
+            "set MaskConfig(replay_truncation=True) to replay it on π (docs/math.md §6)"
+        )
+    return out
+
+
+# ---- maths: advantages and the loss, plain functions ------------------------------------------------
+
+
+def trl_advantages(
+    rewards_per_func: Tensor,  # [B, F], nan where a reward function did not apply
+    weights: Tensor,  # [F]
+    num_generations: int,
+    scale_rewards: str,
+    multi_objective_aggregation: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # advantages [B], rewards [B], std == 0 [B]
+    """GRPO advantages exactly as TRL 1.16's `_generate_and_score_completions` computes them."""
+    g = num_generations
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)  # [B]
+    if multi_objective_aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        mean = torch.nanmean(rewards.view(-1, g), dim=1).repeat_interleave(g)
+        if scale_rewards in ("group", "none"):
+            std = (
+                nanstd(rewards.view(-1, g), dim=1).repeat_interleave(g)
+                if g > 1
+                else torch.zeros_like(rewards)
+            )
+        elif scale_rewards == "batch":
+            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        else:
+            raise ValueError(f"scale_rewards={scale_rewards!r}; expected 'batch', 'group' or 'none'")
+        adv = rewards - mean
+        if scale_rewards != "none":
+            adv = adv / (std + 1e-4)
+    elif multi_objective_aggregation == "normalize_then_sum":
+        grouped = rewards_per_func.view(-1, g, rewards_per_func.shape[1])
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = nanstd(grouped, dim=1, keepdim=True) if g > 1 else torch.zeros_like(mean_k)
+        reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.shape[1])
+        rewards = (reward_k * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        adv = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    else:
+        raise ValueError(f"multi_objective_aggregation={multi_objective_aggregation!r}")
+    return torch.nan_to_num(adv, nan=0.0), rewards, torch.isclose(std, torch.zeros_like(std))
+
+
+def _aggregate(per_tok: Tensor, valid: Tensor, aggregation: str, max_len: int) -> Tensor:  # [B, T] -> []
+    """policy_loss's aggregations, for the KL term (the same normalisation as the policy term)."""
+    per_tok = torch.where(valid, per_tok, 0.0)
+    if aggregation == "token_mean":
+        return per_tok.sum() / valid.sum().clamp_min(1)
+    n_tok = valid.sum(-1)  # [B]
+    denom = float(max_len) if aggregation == "seq_mean_token_sum_norm" else n_tok.clamp_min(1)
+    has = n_tok > 0
+    return ((per_tok.sum(-1) / denom) * has).sum() / has.sum().clamp_min(1)
+
+
+def maskroll_loss(
+    logits: Tensor,  # [B, T, V] logits that predict completion_ids, with grad
+    batch: dict[str, Tensor],  # the collated records (MaskrollGRPOTrainer's generation output)
+    *,
+    mask: MaskConfig,
+    is_cap: float,
+    aggregation: str,
+    max_len: int,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    beta: float = 0.0,
+    bias_correction_kl: bool = True,
+) -> tuple[Tensor, dict[str, Tensor], MaskResult]:
+    """Scalar loss, detached metrics and the masks: `policy_loss` (docs/math.md §5) on
+    `compute_masks` (§3–§4), plus TRL's k3 KL to the reference (`batch["ref_logprobs"]`) times `beta`."""
+    ids, valid = batch["completion_ids"], batch["response_mask"].bool()  # [B, T], [B, T]
+    temp = batch["temperature"]  # [B]
+    lp, stats = token_logprobs(logits, ids, temperature=temp, top_k=top_k, top_p=top_p, return_stats=True)
+    res = compute_masks(
+        logits.detach(),
+        ids,
+        batch["sampled_logprobs"],
+        batch["topk_ids"],
+        batch["topk_logprobs"],
+        batch["advantages"],
+        config=mask,
+        temperature=temp,
+        top_k=top_k,
+        top_p=top_p,
+        response_mask=valid,
+        vocab_stats=stats,
+    )
+    loss, metrics = policy_loss(
+        lp,
+        batch["sampled_logprobs"],
+        batch["advantages"],
+        res.keep,
+        is_cap=is_cap,
+        aggregation=aggregation,
+        max_len=max_len,
+        masks=res,
+    )
+    if beta != 0.0:
+        d = batch["ref_logprobs"] - lp  # [B, T]
+        kl = torch.exp(d) - d - 1  # TRL's k3 estimator of KL(π ‖ π_ref)
+        if bias_correction_kl:  # TRL's use_bias_correction_kl, with μ (the rollout) as the old policy
+            kl = kl * torch.exp(lp - batch["sampled_logprobs"])
+        ok = valid & torch.isfinite(kl)  # replayed truncation may leave −inf at masked positions
+        loss = loss + beta * _aggregate(torch.where(ok, kl, 0.0), ok, aggregation, max_len)
+        metrics["kl"] = (torch.where(ok, kl, 0.0).sum() / ok.sum().clamp_min(1)).detach()
+    return loss, metrics, res
+
+
+def completion_logits(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:  # -> [B, T, V]
+    """The logits that predict the completion tokens; only the last T + 1 positions go through the head."""
+    t = batch["completion_ids"].shape[1]
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        logits_to_keep=t + 1,
+    )
+    return out.logits[:, :t]
+
+
+# ---- reading the dataloader ahead -------------------------------------------------------------------
+
+
+class _Lookahead:
+    """The epoch iterator, read ahead: each new generation batch is submitted when it is read.
+
+    TRL's dataloader yields each generation batch `every` times in a row (steps_per_generation ×
+    num_iterations); the first of each run is submitted. An epoch's iterator ends the read-ahead: the
+    next epoch's first batch is submitted when it is needed.
+    """
+
+    def __init__(self, every: int, submit: Callable[[list], None], has_room: Callable[[int], bool]) -> None:
+        self.every, self.submit, self.has_room = every, submit, has_room
+        self._it: Iterator | None = None
+        self._buffer: deque = deque()
+        self._pos = 0
+
+    def attach(self, it: Iterator) -> None:
+        if it is not self._it:
+            self._it, self._pos = it, 0
+            self._buffer.clear()
+
+    def _read(self) -> list:
+        item = next(self._it)
+        if self._pos % self.every == 0:
+            self.submit(item)
+        self._pos += 1
+        return item
+
+    def next(self) -> list:
+        return self._buffer.popleft() if self._buffer else self._read()
+
+    def fill(self, rows: int) -> None:
+        """Read on while the next item repeats a submitted batch or the next batch has room."""
+        while self._pos % self.every != 0 or self.has_room(rows):
+            try:
+                self._buffer.append(self._read())
+            except StopIteration:
+                return
+
+
+class _AfterStep(TrainerCallback):
+    def __init__(self, trainer: MaskrollGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._after_optimizer_step()
+
+
+# ---- the trainer ------------------------------------------------------------------------------------
+
+
+class MaskrollGRPOTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer, generating on maskroll replicas and training with maskroll's masks.
+
+    Takes GRPOTrainer's arguments plus `maskroll` (a MaskrollConfig). See the module docstring for what
+    changes, and `refusals` for the options it refuses.
+    """
+
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        *,
+        maskroll: MaskrollConfig,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+        **kwargs,
+    ) -> None:
+        if not isinstance(maskroll, MaskrollConfig):
+            raise TypeError(f"maskroll must be a MaskrollConfig, got {type(maskroll).__name__}")
+        ctor = dict(peft_config=peft_config, tools=tools, rollout_func=rollout_func)
+        problems = refusals(args, maskroll.mask, environment_factory=environment_factory, **ctor)
+        if not isinstance(model, str):
+            from accelerate.utils import is_peft_model
+
+            if is_peft_model(model):
+                problems.append(f"model: a PeftModel; {_CTOR_REFUSED['peft_config']}")
+        if problems:
+            raise UnsupportedOption("MaskrollGRPOTrainer does not support: " + "; ".join(problems))
+        self.maskroll = maskroll
+        super().__init__(
+            model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            **kwargs,
+        )
+        late = []
+        if self.accelerator.num_processes > 1:
+            late.append(
+                f"{self.accelerator.num_processes} processes: MaskrollGRPOTrainer runs on one process"
+            )
+        if self.aux_loss_enabled:
+            late.append("router_aux_loss_coef: the MoE load-balancing loss is not part of maskroll's loss")
+        if late:
+            raise UnsupportedOption("MaskrollGRPOTrainer does not support: " + "; ".join(late))
+        self._top_k = self.top_k or None
+        self._top_p = self.top_p if self.top_p < 1.0 else None
+        self._options = SamplingOptions(
+            max_tokens=self.max_completion_length,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            logprobs_k=maskroll.logprobs_k,
+        )
+        self._source: _Source | None = None
+        self._run_taken = False
+        # Counts for reports (rollouts unless named): trained, confirmed, completion tokens, the
+        # rollout source's stale resubmissions and foreign drops; replicas of the last batch.
+        self.rollout_counts = {"received": 0, "acked": 0, "tokens": 0, "stale_resubmitted": 0, "foreign": 0}
+        self.last_replicas: dict[str, int] = {}
+        self._version = 0  # policy versions published (the replicas start at 0)
+        self._unacked: list[list] = []  # per generation batch: the groups its micro-steps train on
+        self._diagnose: tuple[dict, MaskResult] | None = None
+        self._lookahead = _Lookahead(
+            self.args.steps_per_generation * self.num_iterations,
+            self._submit_generation_batch,
+            lambda rows: self._open_source().room() >= rows,
+        )
+        self.add_callback(_AfterStep(self))
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version the replicas serve: the run's, + 1 per publish."""
+        return self._version
+
+    # ---- the rollout source's lifetime ----------------------------------------------------------
+
+    def _open_source(self) -> _Source:
+        if self._source is None:
+            cfg = self.maskroll
+            common = dict(
+                batch_size=self.args.generation_batch_size,
+                max_staleness=cfg.max_staleness,
+                options=self._options,
+                timeout=cfg.generation_timeout_s,
+                token=cfg.token,
+                root_certs=cfg.root_certs,
+            )
+            if cfg.redis_url is not None:
+                # Reopened (evaluate after train, a second train): the run this trainer took up.
+                run = "resume" if self._run_taken else cfg.run
+                source = QueueSource(cfg.redis_url, cfg.namespace, run=run, **common)
+                self._run_taken = True
+                source.wait_for_replicas(cfg.min_replicas)
+                self._publisher = CheckpointPublisher(source.queue, Path(cfg.weights_root), keep=2)
+                # The run's version on trainer and replicas: a resumed run loads its latest weights
+                # into the model; a new one publishes the model as version 0 to replicas serving others.
+                self._version = self._publisher.start(self.accelerator.unwrap_model(self.model))
+            else:
+                source = GrpcSource(list(cfg.replicas), **common)
+                self._publisher = CheckpointPublisher(source.broadcaster, Path(cfg.weights_root), keep=2)
+                # No run in Redis: versions only grow on a replica, so continue from where they are.
+                self._version = max(self._version, source.replica_version())
+            self._source = source
+        return self._source
+
+    def close(self) -> None:
+        """Close the connection to the replicas (Redis / gRPC); `train` and `evaluate` reopen it."""
+        if self._source is not None:
+            self.rollout_counts["stale_resubmitted"] += self._source.stats.stale_resubmitted
+            self.rollout_counts["foreign"] += self._source.stats.foreign_dropped
+            self._source.close()
+            self._source = None
+
+    def train(self, *args, **kwargs):
+        self._unacked, self._diagnose = [], None
+        try:
+            self._open_source()
+            return super().train(*args, **kwargs)
+        finally:
+            self.close()
+
+    def evaluate(self, *args, **kwargs):
+        opened_here = self._source is None
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            if opened_here:
+                self.close()
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def _jobs(self, rows: list[dict], n: int) -> list[Job]:
+        """A generation batch's rows (each prompt repeated n times in a row) → one job per prompt."""
+        if len(rows) % n:
+            raise ValueError(f"{len(rows)} rows do not form whole groups of num_generations={n}")
+        heads = [rows[i] for i in range(0, len(rows), n)]
+        prompt_ids, _, _ = self._tokenize_prompts([r["prompt"] for r in heads])
+        return [Job([int(t) for t in ids], rows[i * n : (i + 1) * n]) for i, ids in enumerate(prompt_ids)]
+
+    def _submit_generation_batch(self, rows: list[dict]) -> None:
+        source = self._open_source()
+        for job in self._jobs(rows, self.num_generations):
+            source.submit(job)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """This step's micro-batches from the read-ahead; then read ahead (and submit) while there is room."""
+        self._lookahead.attach(epoch_iterator)
+        samples = []
+        for _ in range(num_batches):
+            try:
+                samples.append(self._lookahead.next())
+            except StopIteration:
+                break
+        if samples:
+            self._lookahead.fill(len(samples[0]))
+        return samples, self._get_num_items_in_batch(samples, device)
+
+    def _generate_and_score_completions(self, inputs: list[dict]) -> dict[str, Tensor]:
+        mode = "train" if self.model.training else "eval"
+        source = self._open_source()
+        if mode == "train":
+            taken = source.take(len(inputs), self._version)
+            self._unacked.append([g for g, _ in taken])
+            records = [r for g, _ in taken for r in g]
+            self.rollout_counts["received"] += len(records)
+            self.rollout_counts["tokens"] += sum(r.num_tokens for r in records)
+            self.last_replicas = dict(collections.Counter(r.replica_id for r in records))
+        else:  # evaluation: these very prompts, sampled now by one replica (never queued)
+            n = self.num_generations_eval
+            taken = [(source.generate_now(job.prompt_ids, n), job) for job in self._jobs(inputs, n)]
+        records = [r for g, _ in taken for r in g]
+        rows = [job.rows[r.sample_index] for g, job in taken for r in g]
+        return self._score(records, rows, mode)
+
+    def _score(self, records: list, rows: list[dict], mode: str) -> dict[str, Tensor]:
+        """Rewards (TRL's reward functions), TRL's advantages, and the records collated for the loss."""
+        prompts = [row["prompt"] for row in rows]
+        completion_ids = [[int(t) for t in r.completion_ids] for r in records]
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        if is_conversational({"prompt": prompts[0]}):
+            completions = [[{"role": "assistant", "content": t}] for t in texts]
+        else:
+            completions = texts
+        rewards_per_func = self._calculate_rewards(rows, prompts, completions, completion_ids)
+        n = self.num_generations if mode == "train" else self.num_generations_eval
+        adv, rewards, std_zero = trl_advantages(
+            rewards_per_func,
+            self.reward_weights.to(rewards_per_func.device),
+            n,
+            self.scale_rewards,
+            self.multi_objective_aggregation,
+        )
+        b = collate(
+            records,
+            np.zeros(len(records)),  # advantages are TRL's (above), not collate's
+            pad_id=self._tokenizer.pad_token_id,
+            allow_truncation=self.maskroll.mask.replay_truncation,
+        )
+        response_mask = b.response_mask
+        if self.mask_truncated_completions:  # TRL's option: completions cut at max tokens carry no loss
+            cut = torch.tensor([r.finish_reason == "length" for r in records])
+            response_mask = response_mask & ~cut[:, None]
+        out = {
+            "input_ids": b.input_ids,
+            "attention_mask": b.attention_mask,
+            "position_ids": b.position_ids,
+            "completion_ids": b.completion_ids,
+            "response_mask": response_mask,
+            "sampled_logprobs": b.sampled_logprobs,
+            "topk_ids": b.topk_ids,
+            "topk_logprobs": b.topk_logprobs,
+            "temperature": b.temperature,
+            "advantages": adv.float(),
+            "num_items_in_batch": response_mask.sum(),
+        }
+        if self.beta != 0.0:
+            out["ref_logprobs"] = self._ref_logprobs(out)
+        self._log_generation(mode, records, prompts, completions, rewards_per_func, rewards, adv, std_zero)
+        return out
+
+    @torch.no_grad()
+    def _ref_logprobs(self, batch: dict[str, Tensor]) -> Tensor:  # [B, T]
+        chunk = self.args.per_device_train_batch_size
+        parts = []
+        for s in range(0, batch["input_ids"].shape[0], chunk):
+            part = {k: v[s : s + chunk] for k, v in batch.items() if v.dim() > 0}
+            logits = completion_logits(self.ref_model, part)
+            parts.append(
+                token_logprobs(
+                    logits,
+                    part["completion_ids"],
+                    temperature=part["temperature"],
+                    top_k=self._top_k,
+                    top_p=self._top_p,
+                )
+            )
+        return torch.cat(parts)
+
+    def _log_generation(self, mode, records, prompts, completions, rewards_per_func, rewards, adv, std_zero):
+        m = self._metrics[mode]
+        lengths = torch.tensor([float(r.num_tokens) for r in records])
+        if mode == "train":
+            self.state.num_input_tokens_seen += int(sum(len(r.prompt_ids) for r in records) + lengths.sum())
+        m["num_tokens"] = [self.state.num_input_tokens_seen]
+        m["completions/mean_length"].append(lengths.mean().item())
+        m["completions/min_length"].append(lengths.min().item())
+        m["completions/max_length"].append(lengths.max().item())
+        m["completions/clipped_ratio"].append(float(np.mean([r.finish_reason == "length" for r in records])))
+        for i, name in enumerate(self.reward_func_names):
+            m[f"rewards/{name}/mean"].append(torch.nanmean(rewards_per_func[:, i]).item())
+            m[f"rewards/{name}/std"].append(nanstd(rewards_per_func[:, i]).item())
+        m["reward"].append(torch.nanmean(rewards).item())
+        m["reward_std"].append(nanstd(rewards).item())
+        m["frac_reward_zero_std"].append(std_zero.float().mean().item())
+        if mode == "train":
+            stale = [float(self._version - r.policy_version_first) for r in records]
+            m["maskroll/staleness"].append(float(np.mean(stale)))
+            m["maskroll/policy_version"].append(float(self._version))
+            m["maskroll/stale_resubmitted"].append(float(self._source.stats.stale_resubmitted))
+        self._logs["prompt"].extend(prompts)
+        self._logs["completion"].extend(completions)
+        for i, name in enumerate(self.reward_func_names):
+            self._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
+        self._logs["advantages"].extend(adv.tolist())
+
+    # ---- the loss -----------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("MaskrollGRPOTrainer does not return outputs")
+        mode = "train" if self.model.training else "eval"
+        aggregation = LOSS_TYPES[self.loss_type]
+        loss, metrics, res = maskroll_loss(
+            completion_logits(model, inputs),
+            inputs,
+            mask=self.maskroll.mask,
+            is_cap=self.maskroll.is_cap,
+            aggregation=aggregation,
+            max_len=self.max_completion_length,
+            top_k=self._top_k,
+            top_p=self._top_p,
+            beta=self.beta,
+            bias_correction_kl=self.args.use_bias_correction_kl,
+        )
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        if self.loss_type == "dapo":
+            # TRL's dapo: the token sum over the whole generation batch's tokens, per optimiser step.
+            tokens = inputs["response_mask"].sum().clamp_min(1)
+            per_step = inputs["num_items_in_batch"].clamp_min(1)
+            if mode == "train":
+                per_step = per_step * accumulation / self.args.steps_per_generation
+            loss = loss * tokens / per_step
+        else:
+            loss = loss / accumulation
+        for name, value in metrics.items():
+            key = name if name == "kl" else f"maskroll/{name}"
+            self._metrics[mode][key].append(float(value))
+        if mode == "train" and self.maskroll.direction_diagnostics:
+            self._diagnose = ({k: v.detach() for k, v in inputs.items()}, res)
+        return loss
+
+    # ---- after each optimiser step: confirm, publish, diagnose ------------------------------------
+
+    def _after_optimizer_step(self) -> None:
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        exhausted = self._step % generate_every == 0  # the buffered generation batch is used up
+        done, self._unacked = (self._unacked, []) if exhausted else (self._unacked[:-1], self._unacked[-1:])
+        for groups in done:
+            self._source.done(groups)
+            self.rollout_counts["acked"] += sum(len(g) for g in groups)
+        if self._diagnose is not None:
+            self._log_direction_agreement(*self._diagnose)
+            self._diagnose = None
+        if self.state.global_step % self.maskroll.publish_every == 0:
+            self._publisher.publish(self.accelerator.unwrap_model(self.model), self._version + 1)
+            self._version += 1
+
+    @torch.no_grad()
+    def _log_direction_agreement(self, batch: dict[str, Tensor], before: MaskResult) -> None:
+        after = compute_masks(
+            completion_logits(self.model, batch),
+            batch["completion_ids"],
+            batch["sampled_logprobs"],
+            batch["topk_ids"],
+            batch["topk_logprobs"],
+            batch["advantages"],
+            config=self.maskroll.mask,
+            temperature=batch["temperature"],
+            top_k=self._top_k,
+            top_p=self._top_p,
+            response_mask=before.response_mask,
+        )
+        adv = batch["advantages"][:, None].expand_as(before.divergence).double()
+        agree = direction_agreement(
+            adv,
+            before.divergence.double(),
+            after.divergence.double(),
+            {"ratio": before.ratio_direction, "predictive": before.predicted_direction},
+            before.far,
+            response_mask=before.response_mask,
+        )
+        m = self._metrics["train"]
+        for rule in ("ratio", "predictive"):
+            m[f"maskroll/agree_{rule}_far"].append(agree[rule]["agree_far"])
+            m[f"maskroll/agree_{rule}_all"].append(agree[rule]["agree_all"])
+        m["maskroll/disagreement_frac_far"].append(agree["_sets"]["disagreement_frac_far"])

@@ -1,0 +1,147 @@
+"""maskroll's trust-region masks as verl policy losses (`actor.policy_loss.loss_mode=maskroll_...`).
+
+Importing this module registers, with verl's `register_policy_loss`:
+
+    maskroll_ppo                                  ratio clip as a mask (docs/math.md §3)
+    maskroll_dppo_kl, maskroll_dppo_tv            D(μ, π) > δ and the ratio direction
+    maskroll_predictive_kl, maskroll_predictive_tv D(μ, π) > δ and the predicted direction P̂
+    maskroll_dppo, maskroll_predictive            the binary-KL variants under short names
+
+Each takes verl's call (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+rollout_is_weights) and returns (loss, metrics) the way verl's own losses do: the per-token loss
+−A · w · M · log π_a of `policy_loss` (docs/math.md §5) times the rollout IS weights, aggregated by
+verl's `agg_loss` with the actor's global batch info; `actor/pg_clipfrac` is the masked fraction,
+`actor/pg_clipfrac_lower` the fraction at the IS cap, `actor/ppo_kl` as verl computes it, plus
+`actor/maskroll/*`.
+
+verl hands a policy loss sampled-token logprobs only, so only the binary divergences are possible:
+μ_a is `old_log_prob` (the rollout's, or the policy before the update, as verl's rollout correction
+decides). For binary divergences the predicted direction has the sign of π_a − μ_a (docs/math.md §4),
+so `maskroll_predictive_*` masks exactly like `maskroll_dppo_*`; the top-K divergences need the
+records' top-K tensors in verl's batch (docs/integrations.md says what to patch).
+
+Thresholds, read from the actor config: δ_low / δ_high (ε for maskroll_ppo) from
+`policy_loss.maskroll_delta_low/_high` (or `maskroll_delta`) where the policy_loss section carries them
+(a DictConfig), else verl's own DPPO convention `clip_ratio_low` / `clip_ratio_high` (falling back to
+`clip_ratio`); the IS cap C from `policy_loss.maskroll_is_cap`, else `clip_ratio_c`.
+Load it in every Ray worker with `VERL_USE_EXTERNAL_MODULES=maskroll.integrations.verl`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
+
+from maskroll.trainer_adapter import MaskConfig
+from maskroll.trainer_adapter import divergences as dv
+from maskroll.trainer_adapter.loss import LOG_RATIO_MAX
+from maskroll.trainer_adapter.masks import DECISIONS, Quantities
+
+Tensor = torch.Tensor
+
+# loss mode → (method, divergence); the divergence only matters for dppo / predictive.
+LOSS_MODES: dict[str, tuple[str, str]] = {
+    "maskroll_ppo": ("ppo", "binary_kl"),
+    "maskroll_dppo_kl": ("dppo", "binary_kl"),
+    "maskroll_dppo_tv": ("dppo", "binary_tv"),
+    "maskroll_predictive_kl": ("predictive", "binary_kl"),
+    "maskroll_predictive_tv": ("predictive", "binary_tv"),
+    "maskroll_dppo": ("dppo", "binary_kl"),
+    "maskroll_predictive": ("predictive", "binary_kl"),
+}
+
+_DIVERGENCE = {
+    "binary_kl": (dv.binary_kl, dv.binary_kl_direction),
+    "binary_tv": (dv.binary_tv, dv.binary_tv_direction),
+}
+
+
+def _setting(config: Any, name: str, fallback: Any) -> Any:
+    """`policy_loss.<name>` if the section carries it, else `fallback`."""
+    section = config.get("policy_loss", None) if config is not None else None
+    value = section.get(name, None) if section is not None else None
+    return fallback if value is None else value
+
+
+def mask_config(config: Any, method: str, divergence: str) -> tuple[MaskConfig, float]:
+    """The MaskConfig and IS cap a verl actor config asks for (see the module docstring)."""
+    if config is None:
+        raise ValueError("maskroll verl losses need the actor config (thresholds and the IS cap)")
+    clip = config.get("clip_ratio", None)
+    low = _setting(config, "maskroll_delta_low", _setting(config, "maskroll_delta", None))
+    high = _setting(config, "maskroll_delta_high", _setting(config, "maskroll_delta", None))
+    low = config.get("clip_ratio_low", None) if low is None else low
+    high = config.get("clip_ratio_high", None) if high is None else high
+    low, high = (clip if low is None else low), (clip if high is None else high)
+    is_cap = float(_setting(config, "maskroll_is_cap", config.get("clip_ratio_c", 10.0)))
+    if method == "ppo":
+        cfg = MaskConfig(method="ppo", divergence=divergence, eps_low=float(low), eps_high=float(high))
+    else:
+        cfg = MaskConfig(method=method, divergence=divergence, delta_low=float(low), delta_high=float(high))
+    return cfg, is_cap
+
+
+def _masked_mean(x: Tensor, where: Tensor) -> float:
+    return float((x * where).sum() / where.sum().clamp_min(1))
+
+
+def maskroll_policy_loss(
+    old_log_prob: Tensor,  # [B, T] log μ_a
+    log_prob: Tensor,  # [B, T] log π_a, with grad
+    advantages: Tensor,  # [B, T]
+    response_mask: Tensor,  # [B, T]
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Tensor | None = None,  # [B, T]
+    *,
+    method: str,
+    divergence: str,
+) -> tuple[Tensor, dict[str, float]]:
+    """verl's policy-loss call convention around maskroll's binary-divergence masks and loss (§3–§5)."""
+    cfg, is_cap = mask_config(config, method, divergence)
+    valid = response_mask.bool()
+    lp, lm = log_prob.detach(), old_log_prob.to(log_prob.dtype)
+    d_fn, p_fn = _DIVERGENCE[divergence]
+    with torch.no_grad():
+        # Σπ² is unknown here; π_a² (its lower bound) leaves the sign of P̂ — all the mask uses — exact.
+        q = Quantities(
+            adv=advantages.to(lp.dtype).reshape(-1),
+            logpi_a=lp.reshape(-1),
+            mu_a_log=lm.reshape(-1),
+            divergence=d_fn(lp, lm).reshape(-1),
+            predicted=p_fn(lp, lm, lp.exp().square()).reshape(-1),
+            ratio_direction=(lp.exp() - lm.exp()).reshape(-1),
+            valid=valid.reshape(-1),
+        )
+        decision = DECISIONS[cfg.method](q, cfg)
+        keep = decision.keep.reshape(lp.shape)
+        raw_w = (lp - lm).clamp(max=LOG_RATIO_MAX).exp()
+        w = raw_w.clamp(max=is_cap)
+        coef = advantages.to(lp.dtype) * w * keep  # [B, T]
+        if rollout_is_weights is not None:
+            coef = coef * rollout_is_weights.to(lp.dtype)
+    # where() rather than a product: a masked token may carry log π_a = −inf
+    per_tok = -coef * torch.where(coef != 0, log_prob, torch.zeros_like(log_prob))
+    loss = agg_loss(
+        loss_mat=per_tok,
+        loss_mask=response_mask,
+        loss_agg_mode=loss_agg_mode,
+        **(config.get("global_batch_info", None) or {}),
+    )
+    vf = valid.to(lp.dtype)
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean((~keep).to(lp.dtype), vf),
+        "actor/ppo_kl": _masked_mean(lm - lp, vf),
+        "actor/pg_clipfrac_lower": _masked_mean((raw_w > is_cap).to(lp.dtype), vf),
+        "actor/maskroll/far_frac": _masked_mean(decision.far.reshape(lp.shape).to(lp.dtype), vf),
+        "actor/maskroll/divergence_mean": _masked_mean(q.divergence.reshape(lp.shape), vf),
+        "actor/maskroll/is_weight_mean": _masked_mean(w, vf),
+    }
+    return loss, metrics
+
+
+for _name, (_method, _divergence) in LOSS_MODES.items():
+    register_policy_loss(_name)(partial(maskroll_policy_loss, method=_method, divergence=_divergence))

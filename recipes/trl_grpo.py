@@ -1,0 +1,167 @@
+"""The demo's task through TRL: `maskroll demo --trainer trl`, the five-line change in a complete run.
+
+The same toy task (`digits`), model, replicas and mask as `grpo.py`, but the loop is TRL's
+`GRPOTrainer` — as `maskroll.integrations.trl.MaskrollGRPOTrainer`: a dataset of prompts, a reward
+function, a `trl.GRPOConfig`, and a `MaskrollConfig` naming the queue, the weights root and the mask.
+Returns the same summary as `grpo.train` (per-step rewards, mask and divergence statistics, realised
+direction agreement, held-out reward before and after, the replicas' versions), read from TRL's logs.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from maskroll.client import RolloutQueue, SyncRolloutClient
+from maskroll.integrations.trl import MaskrollConfig, MaskrollGRPOTrainer
+
+from . import digits
+from .grpo import GRPOConfig, StepLog, evaluate, grpc_auth, progress, wait_for_replicas
+
+# TRL log key → StepLog field (the `maskroll/*` keys are MaskrollGRPOTrainer's)
+LOG_KEYS = {
+    "reward": "reward",
+    "maskroll/mask_frac": "mask_frac",
+    "maskroll/far_frac": "far_frac",
+    "maskroll/divergence_mean": "divergence_mean",
+    "maskroll/mismatch_kl": "mismatch_kl",
+    "maskroll/staleness": "staleness",
+    "loss": "loss",
+    "maskroll/agree_ratio_far": "agree_ratio_far",
+    "maskroll/agree_predictive_far": "agree_predictive_far",
+    "maskroll/agree_ratio_all": "agree_ratio_all",
+    "maskroll/agree_predictive_all": "agree_predictive_all",
+    "maskroll/disagreement_frac_far": "disagreement_frac_far",
+}
+
+
+def _step_log(
+    step: int, version: int, logs: dict, seconds: float, tokens_per_s: float, replicas: dict
+) -> StepLog:
+    values = {f: float("nan") if logs.get(k) is None else float(logs[k]) for k, f in LOG_KEYS.items()}
+    timing = {"tokens_per_s": tokens_per_s, "seconds": seconds}
+    return StepLog(step=step, policy_version=version, replicas=replicas, **timing, **values)
+
+
+def train(
+    cfg: GRPOConfig,
+    *,
+    redis_url: str,
+    namespace: str,
+    model_dir: Path,
+    weights_root: Path,
+    min_replicas: int = 1,
+    run: Literal["new", "resume"] = "new",
+    out_dir: Path | None = None,
+) -> dict:
+    """Train against the replicas of `namespace` with MaskrollGRPOTrainer; returns grpo.train's summary."""
+    import transformers
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig as TRLConfig
+
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
+    rng = random.Random(cfg.seed)
+    encode = digits.encoder(model_dir)
+    eval_prompts = [encode(p) for p in digits.held_out(cfg.eval_prompts)]
+    dataset = Dataset.from_dict({"prompt": digits.prompts(rng, cfg.steps * cfg.prompts_per_step)})
+
+    def digit_reward(completion_ids, **_) -> list[float]:
+        return [digits.digit_reward(ids, cfg.max_tokens) for ids in completion_ids]
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    args = TRLConfig(
+        output_dir=str(out_dir or Path(weights_root).parent / "trl"),
+        per_device_train_batch_size=cfg.batch_size,  # one optimiser step = one generation batch
+        num_generations=cfg.n,
+        max_completion_length=cfg.max_tokens,
+        temperature=cfg.temperature,
+        max_steps=cfg.steps,
+        learning_rate=cfg.lr,
+        lr_scheduler_type="constant",  # grpo.py's Adam: no decay, no weight decay
+        weight_decay=0.0,
+        loss_type="bnpo",  # token mean over the batch, as grpo.py's policy_loss
+        shuffle_dataset=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=cfg.seed,
+        use_cpu=True,
+    )
+    auth = grpc_auth()
+    maskroll = MaskrollConfig(
+        redis_url=redis_url,
+        namespace=namespace,
+        run="resume",
+        weights_root=weights_root,
+        mask=cfg.mask_config(),
+        logprobs_k=cfg.logprobs_k,
+        max_staleness=cfg.max_staleness,
+        min_replicas=min_replicas,
+        direction_diagnostics=True,
+        **auth,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = MaskrollGRPOTrainer(
+        model,
+        reward_funcs=digit_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        maskroll=maskroll,
+    )
+    history: list[StepLog] = []
+    t_train, t_step = time.monotonic(), [time.monotonic()]
+
+    class Progress(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not logs or "loss" not in logs:
+                return
+            now = time.monotonic()
+            tokens = trainer.rollout_counts["tokens"]
+            log = _step_log(
+                state.global_step,
+                trainer.policy_version,
+                logs,
+                now - t_step[0],
+                tokens / (now - t_train),
+                trainer.last_replicas,
+            )
+            t_step[0] = now
+            history.append(log)
+            print(progress(log.step, cfg.steps, log), flush=True)
+
+    trainer.remove_callback(transformers.PrinterCallback)  # our progress line replaces its log dicts
+    trainer.add_callback(Progress())
+    # This opens the run (new or resumed); the trainer then resumes it when train() connects.
+    with RolloutQueue(redis_url, namespace, run=run, **auth) as q:
+        eval_address = wait_for_replicas(q, min_replicas)[0].address
+    reward_before = evaluate(eval_address, eval_prompts, cfg)
+    print(f"  held-out reward before training: {reward_before:.3f}", flush=True)
+    trainer.train()
+    reward_after = evaluate(eval_address, eval_prompts, cfg)
+    print(f"  held-out reward after training: {reward_after:.3f} (before: {reward_before:.3f})", flush=True)
+    with RolloutQueue(redis_url, namespace, run="resume", **auth) as q:
+        replica_versions = {}
+        for rep in q.replicas():  # ask each replica: heartbeats refresh only every few seconds
+            with SyncRolloutClient(rep.address, **auth) as c:
+                replica_versions[rep.replica_id] = c.info().policy_version
+    mask_cfg = cfg.mask_config()
+    return {
+        "mask_config": {f.name: getattr(mask_cfg, f.name) for f in fields(mask_cfg)},
+        "reward_before": reward_before,
+        "reward_after": reward_after,
+        "steps": [asdict(h) for h in history],
+        "replica_versions": replica_versions,
+        "queue": trainer.rollout_counts,
+    }

@@ -1,0 +1,148 @@
+"""Real processes for the adversarial tests: `maskroll serve` subprocesses (torch engine) on a private
+Redis, and the helpers every case uses — a raw Generate that bypasses the SDK's own checks, the health
+status as an orchestrator reads it, and a normal request that must still be served after each attack.
+
+Only processes started here are ever signalled (by their Popen object, never by name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from maskroll.client import RolloutClient, SamplingOptions, wire
+from maskroll.client._proto import rollout_pb2 as pb
+from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
+from maskroll.server.healthcheck import check
+
+PROMPT = np.array([256, 72, 105], "<i4")  # <bos> "Hi"
+NORMAL = SamplingOptions(max_tokens=3, logprobs_k=2, ignore_eos=True)
+
+
+class Serve:
+    """One `maskroll serve` child process: its address, metrics address and log (stderr) on disk."""
+
+    def __init__(
+        self, model_dir: Path, log: Path, *args: str, env: dict[str, str] | None = None, engine: str = "torch"
+    ) -> None:
+        self.log = log
+        engine_args = ["--threads", "1"] if engine == "torch" else ["--enforce-eager"]
+        cmd = [
+            sys.executable, "-m", "maskroll.server.cli", "serve", "--model", str(model_dir),
+            "--engine", engine, *engine_args, "--port", "0", "--metrics-port", "0",
+            "--drain-timeout-s", "5", *args,
+        ]  # fmt: skip
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=full_env
+        )
+        timeout = 180 if engine == "torch" else 600
+        deadline = time.monotonic() + timeout
+        line = self._readline(timeout=timeout)
+        while not line.startswith("maskroll serve: ready") and time.monotonic() < deadline:
+            line = self._readline(timeout=deadline - time.monotonic())  # vLLM logs to stdout too
+        m = re.search(r"ready on (\S+) .*metrics http://(\S+)/metrics", line)
+        assert m, f"unexpected ready line {line!r}; log:\n{self.log_text()}"
+        self.address, self.metrics = m.group(1), m.group(2)
+
+    def _readline(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if select.select([self.proc.stdout], [], [], 0.5)[0]:
+                return self.proc.stdout.readline()
+            if self.proc.poll() is not None:
+                break
+        raise AssertionError(f"no ready line (exit {self.proc.poll()}); log:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def health(self) -> str:
+        answered, status = check(self.address, timeout=3.0)
+        return status if answered else f"no answer: {status}"
+
+    def wait_health(self, want: str, timeout: float) -> float:
+        """Seconds until the health status reads `want`; fails after `timeout`."""
+        t0 = time.monotonic()
+        while (status := self.health()) != want:
+            assert self.proc.poll() is None, f"the replica exited with {self.proc.returncode}"
+            assert time.monotonic() - t0 < timeout, f"health still {status} after {timeout} s, want {want}"
+            time.sleep(0.2)
+        return time.monotonic() - t0
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait(10)
+
+
+def request(prompt=PROMPT, **options) -> pb.GenerateRequest:
+    """A raw GenerateRequest; fields other than options go through `extra` of raw_generate."""
+    base = {"max_tokens": 4, "logprobs_k": 2}
+    return pb.GenerateRequest(
+        prompt_token_ids=np.asarray(prompt, "<i4").tobytes(),
+        options=pb.SamplingOptions(**{**base, **options}),
+    )
+
+
+async def _raw(address: str, req: pb.GenerateRequest, timeout: float) -> grpc.aio.AioRpcError | int:
+    """The error of a raw Generate, or the number of tokens streamed (all samples) when it succeeds."""
+    options = [("grpc.max_send_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        tokens = 0
+        try:
+            async for chunk in pb_grpc.RolloutServiceStub(channel).Generate(req, timeout=timeout):
+                tokens += len(wire.chunk_from_pb(chunk).token_ids)
+        except grpc.aio.AioRpcError as exc:
+            return exc
+    return tokens
+
+
+def raw_generate(address: str, req: pb.GenerateRequest, timeout: float = 30) -> grpc.aio.AioRpcError | int:
+    return asyncio.run(_raw(address, req, timeout))
+
+
+def served(address: str, options: SamplingOptions = NORMAL, timeout: float = 30) -> int:
+    """A normal request, through the SDK: the number of tokens of its record."""
+
+    async def main():
+        async with RolloutClient(address) as c:
+            return await c.generate_record(PROMPT, options, timeout=timeout)
+
+    return asyncio.run(main()).num_tokens
+
+
+def assert_refused_then_served(
+    address: str, req: pb.GenerateRequest, code: grpc.StatusCode, needle: str, timeout: float = 30
+) -> str:
+    """The bad request fails with `code` and a message containing `needle`; a normal request right
+    after is served in full. Returns the message."""
+    err = raw_generate(address, req, timeout)
+    assert isinstance(err, grpc.aio.AioRpcError), f"the bad request was served ({err} chunks)"
+    assert err.code() == code, (err.code(), err.details())
+    assert needle in err.details(), err.details()
+    assert served(address) == NORMAL.max_tokens, "the next request was not served normally"
+    return err.details()
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.1)
+    return value

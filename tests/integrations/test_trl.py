@@ -1,0 +1,294 @@
+"""MaskrollGRPOTrainer for real: TRL's training loop against two `maskroll serve --pull` replicas and a
+private Redis (the module's `cluster`), then direct gRPC to the same replicas. Reward functions see the
+completions that are trained on, the loss is the trainer adapter's (the same gradient, a planted far
+token masked), versions advance on every replica, unsupported TRL options are refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import GRPOConfig
+
+from maskroll.client import SyncRolloutClient
+from maskroll.integrations.trl import (
+    LOSS_TYPES,
+    MaskrollConfig,
+    MaskrollGRPOTrainer,
+    UnsupportedOption,
+    completion_logits,
+    maskroll_loss,
+    trl_advantages,
+)
+from maskroll.trainer_adapter import MaskConfig, collate, compute_masks, policy_loss, token_logprobs
+
+G = 4  # num_generations
+DIGITS = set(range(ord("0"), ord("9") + 1))
+
+
+def _args(out, **kw) -> GRPOConfig:
+    base = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=8,  # two prompts × G per step
+        num_generations=G,
+        max_completion_length=10,
+        max_steps=3,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        loss_type="bnpo",
+    )
+    return GRPOConfig(**{**base, **kw})
+
+
+def _dataset(n: int = 12) -> Dataset:
+    words = ["count", "sum", "total", "pin", "year", "page"]
+    return Dataset.from_dict(
+        {"prompt": [f"{words[i % len(words)]} {i}:" for i in range(n)], "row_id": list(range(n))}
+    )
+
+
+def _tokenizer(model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    return tok
+
+
+class DigitReward:
+    """Fraction of digit tokens; remembers every call (thread-safe: TRL may call it from one thread)."""
+
+    __name__ = "digits"
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, prompts, completions, completion_ids, row_id, **kw):
+        with self._lock:
+            call = {"prompts": list(prompts), "completions": list(completions), "ids": completion_ids}
+            self.calls.append({**call, "row": row_id})
+        return [sum(t in DIGITS for t in ids) / 10 for ids in completion_ids]
+
+
+def _replica_versions(cluster) -> dict[str, int]:
+    out = {}
+    for name, address in cluster.addresses.items():
+        with SyncRolloutClient(address) as c:
+            out[name] = c.info().policy_version
+    return out
+
+
+@pytest.mark.slow
+def test_trl_training_run_through_the_queue(cluster, tmp_path):
+    """3 steps of TRL's loop: reward calls, masks in the logs, versions on both replicas, overlap."""
+    reward = DigitReward()
+    ds = _dataset()
+    cfg = MaskrollConfig(
+        redis_url=cluster.redis_url,
+        namespace=cluster.namespace,
+        run="new",
+        weights_root=cluster.weights_root,
+        mask=MaskConfig(method="predictive", divergence="topk_kl"),
+        logprobs_k=cluster.logprobs_k,
+        max_staleness=1,
+        min_replicas=2,
+        direction_diagnostics=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(cluster.model_dir, dtype=torch.float32)
+    trainer = MaskrollGRPOTrainer(
+        model,
+        reward_funcs=reward,
+        args=_args(tmp_path),
+        train_dataset=ds,
+        processing_class=_tokenizer(cluster.model_dir),
+        maskroll=cfg,
+    )
+    before = _replica_versions(cluster)
+    trainer.train()
+
+    # TRL's reward function: once per generation batch, with the completions that were trained on
+    assert len(reward.calls) == 3
+    tok = _tokenizer(cluster.model_dir)
+    for call in reward.calls:
+        assert len(call["completions"]) == 8
+        for prompt, row, text, ids in zip(
+            call["prompts"], call["row"], call["completions"], call["ids"], strict=True
+        ):
+            assert prompt == ds[row]["prompt"]  # the dataset row travelled with its job
+            assert text == tok.decode(ids, skip_special_tokens=True)
+        rows = call["row"]
+        assert all(len(set(rows[i : i + G])) == 1 for i in range(0, 8, G)), rows  # whole groups
+    # every replica loaded every published version
+    assert _replica_versions(cluster) == {k: v + 3 for k, v in before.items()}
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3
+    for h in logs:
+        for key in ("reward", "rewards/digits/mean", "maskroll/mask_frac", "maskroll/divergence_mean"):
+            assert key in h and h[key] is not None and math.isfinite(h[key]), (key, h)
+        assert 0.0 <= h["maskroll/mask_frac"] <= 1.0
+        assert h["maskroll/staleness"] <= 1.0  # max_staleness
+    # generation overlapped the optimiser: a later batch was sampled by the previous version
+    assert max(h["maskroll/staleness"] for h in logs[1:]) >= 0.5
+    assert "maskroll/agree_predictive_far" in logs[-1]
+    assert trainer._source is None  # train() closed its queue connection and its event-loop thread
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("maskroll-queue")]
+    assert trainer.rollout_counts["acked"] == trainer.rollout_counts["received"] == 3 * 8
+
+
+def _records(cluster, trainer, n_prompts: int = 2):
+    """Fresh records of two dataset prompts from a replica, with their dataset rows (trainer's jobs)."""
+    rows = [row for row in _dataset(n_prompts) for _ in range(G)]
+    source = trainer._open_source()
+    jobs = trainer._jobs(rows, G)
+    records, job_rows = [], []
+    for job in jobs:
+        group = source.generate_now(job.prompt_ids, G)
+        records += group
+        job_rows += [job.rows[r.sample_index] for r in group]
+    return records, job_rows
+
+
+def _adapter_gradient(model, records, advantages, mask: MaskConfig, aggregation, max_len):
+    """The README's loop on the same records: collate → token_logprobs → compute_masks → policy_loss."""
+    model.zero_grad()
+    b = collate(records, np.zeros(len(records)))
+    logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits
+    logits = logits[:, b.completion_logits_slice]
+    lp, stats = token_logprobs(logits, b.completion_ids, temperature=b.temperature, return_stats=True)
+    res = compute_masks(
+        logits.detach(),
+        b.completion_ids,
+        b.sampled_logprobs,
+        b.topk_ids,
+        b.topk_logprobs,
+        advantages,
+        config=mask,
+        temperature=b.temperature,
+        response_mask=b.response_mask,
+        vocab_stats=stats,
+    )
+    loss, _ = policy_loss(
+        lp, b.sampled_logprobs, advantages, res.keep, aggregation=aggregation, max_len=max_len, masks=res
+    )
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, res
+
+
+@pytest.mark.slow
+def test_loss_is_the_adapters_and_masks_a_planted_far_token_over_grpc(cluster, tmp_path):
+    """Direct gRPC mode (no Redis): the trainer's loss gradient equals the adapter's on the same records
+    for every loss_type; a planted far token (μ_a shrunk 150×: PPO ratio ≫ 1 + ε_high) is masked; one
+    training step publishes a version to both replicas over gRPC."""
+    mask = MaskConfig(method="ppo")
+    addresses = tuple(cluster.addresses.values())
+    cfg = MaskrollConfig(
+        replicas=addresses, weights_root=cluster.weights_root, mask=mask, logprobs_k=cluster.logprobs_k
+    )
+    model = AutoModelForCausalLM.from_pretrained(cluster.model_dir, dtype=torch.float64)
+    trainer = MaskrollGRPOTrainer(
+        model,
+        reward_funcs=DigitReward(),
+        args=_args(tmp_path, max_steps=1),
+        train_dataset=_dataset(),
+        processing_class=_tokenizer(cluster.model_dir),
+        maskroll=cfg,
+    )
+    records, rows = _records(cluster, trainer)
+    # plant: the first token of the first record with A > 0 gets μ_a = π_a / 150 (the replicas serve
+    # trained weights, so π_a is the trainer's): PPO's ratio 150 ≫ 1 + ε_high, moving away
+    batch = trainer._score(records, rows, "train")
+    i = int(torch.nonzero(batch["advantages"] > 0)[0])
+    with torch.no_grad():
+        lp = token_logprobs(completion_logits(trainer.model, batch), batch["completion_ids"])
+    records[i].sampled_logprobs = records[i].sampled_logprobs.copy()
+    records[i].sampled_logprobs[0] = float(lp[i, 0]) - math.log(150.0)
+    top = records[i].topk_ids[0] == records[i].completion_ids[0]
+    records[i].topk_logprobs = records[i].topk_logprobs.copy()
+    records[i].topk_logprobs[0][top] = records[i].sampled_logprobs[0]
+    batch = trainer._score(records, rows, "train")
+    batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    for loss_type, aggregation in LOSS_TYPES.items():
+        trainer.loss_type = loss_type
+        trainer.model.zero_grad()
+        trainer.compute_loss(trainer.model, batch).backward()
+        ours = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+        theirs, res = _adapter_gradient(
+            trainer.model, records, batch["advantages"], mask, aggregation, trainer.max_completion_length
+        )
+        for name in ours:
+            msg = f"{loss_type}: {name}"
+            torch.testing.assert_close(ours[name], theirs[name], rtol=1e-9, atol=1e-12, msg=msg)
+        assert not bool(res.keep[i, 0]) and bool(res.far[i, 0]), "the planted token must be far and masked"
+    # the trainer's own masks: the planted token, and only tokens of that sign and beyond the clip range
+    logits = completion_logits(trainer.model, batch)
+    _, _, res = maskroll_loss(logits, batch, mask=mask, is_cap=10.0, aggregation="token_mean", max_len=10)
+    assert not bool(res.keep[i, 0])
+    assert trainer._metrics["train"]["maskroll/mask_frac"][-1] > 0
+    trainer.close()
+
+    before = _replica_versions(cluster)
+    trainer.train()  # one step through GrpcSource: generation, loss, publish over gRPC
+    assert _replica_versions(cluster) == {k: v + 1 for k, v in before.items()}
+    assert trainer.rollout_counts["acked"] == 8
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("maskroll-generate")]
+
+
+def test_unsupported_trl_options_are_refused_by_name(tmp_path):
+    from maskroll.server.model_init import init_model
+
+    model_dir = init_model(tmp_path / "m", seed=0)
+    cfg = MaskrollConfig(redis_url="redis://127.0.0.1:1/0", weights_root=tmp_path)
+    args = _args(
+        tmp_path, use_vllm=True, loss_type="cispo", epsilon=0.3, top_p=0.9, entropy_coef=0.01, min_p=0.1
+    )
+    with pytest.raises(UnsupportedOption) as e:
+        MaskrollGRPOTrainer(
+            str(model_dir), reward_funcs=DigitReward(), args=args, train_dataset=_dataset(), maskroll=cfg
+        )
+    msg = str(e.value)
+    named = (
+        "use_vllm=True",
+        "loss_type='cispo'",
+        "epsilon=0.3",
+        "top_p=0.9",
+        "entropy_coef=0.01",
+        "min_p=0.1",
+    )
+    for name in named:
+        assert name in msg, (name, msg)
+    with pytest.raises(UnsupportedOption, match="tools: tool calling"):
+        MaskrollGRPOTrainer(
+            str(model_dir),
+            reward_funcs=DigitReward(),
+            args=_args(tmp_path),
+            train_dataset=_dataset(),
+            tools=[len],
+            maskroll=cfg,
+        )
+    with pytest.raises(ValueError, match="weights_root is required"):
+        MaskrollConfig(redis_url="redis://x")
+    with pytest.raises(ValueError, match=r"redis_url .* or replicas"):
+        MaskrollConfig(weights_root=tmp_path)
+
+
+def test_trl_advantages_by_hand():
+    # two groups of two; rewards 1, 0 | 3, 3: the second group has no spread
+    r = torch.tensor([[1.0], [0.0], [3.0], [3.0]])
+    adv, _, zero = trl_advantages(r, torch.ones(1), 2, "group", "sum_then_normalize")
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)  # (r − mean) / (unbiased std + 1e-4), TRL's epsilon
+    torch.testing.assert_close(adv, torch.tensor([a, -a, 0.0, 0.0]))
+    assert zero.tolist() == [False, False, True, True]
+    adv, _, _ = trl_advantages(r, torch.ones(1), 2, "none", "sum_then_normalize")
+    assert adv.tolist() == [0.5, -0.5, 0.0, 0.0]

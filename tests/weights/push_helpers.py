@@ -1,0 +1,55 @@
+"""Helpers of the PushWeights tests: state dicts of the tiny model and raw PushWeights calls whose
+messages a test controls (to corrupt, reorder or cut them)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+
+from maskroll.client import RolloutClient, RolloutError, wire
+from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
+from maskroll.weight_sync.stream import chunks_of, manifest_of
+
+
+def state_dict(checkpoint: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+def messages(tensors: dict, version: int, run_id: str = "", chunk_bytes: int = 4096, manifest=None):
+    """The PushWeights messages of `tensors`, as a list a test may edit."""
+    manifest = manifest or manifest_of(tensors, version, run_id)
+    return [wire.manifest_to_pb(manifest)] + [
+        wire.push_chunk_to_pb(i, off, data) for i, off, data in chunks_of(tensors, chunk_bytes)
+    ]
+
+
+async def _push(address: str, msgs, token: str | None = None, timeout: float = 60.0):
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    async with grpc.aio.insecure_channel(address) as ch:
+        return await pb_grpc.RolloutServiceStub(ch).PushWeights(
+            iter(msgs), metadata=metadata, timeout=timeout
+        )
+
+
+def push(address: str, msgs, **kw):
+    """The UpdateWeightsResponse, or the RolloutError the call ended with."""
+    try:
+        return asyncio.run(_push(address, msgs, **kw))
+    except grpc.aio.AioRpcError as e:
+        return RolloutError.from_rpc(e)
+
+
+def call(address: str, fn):
+    async def main():
+        async with RolloutClient(address) as c:
+            return await fn(c)
+
+    return asyncio.run(main())
+
+
+def info(address: str):
+    return call(address, lambda c: c.info())

@@ -1,0 +1,65 @@
+"""Joining the run at its current version over the directory transport, with in-process replicas: a
+replica started after the trainer published version 1 serves it before its puller starts; one whose
+weights root does not hold the checkpoint starts on its own weights and says why."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from grpc_fixtures import server_config
+
+from maskroll.client import ReplicaWeights, RolloutQueue
+from maskroll.client.local_redis import LocalRedis
+from maskroll.server.app import start
+from maskroll.weight_sync import CheckpointPublisher
+
+NS = "join"
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with LocalRedis() as srv:
+        yield srv.url
+
+
+def _start(loop, model_dir, url, name, **kw):
+    cfg = server_config(model_dir, redis_url=url, namespace=NS, pull=True, replica_id=name, **kw)
+    return loop.run(start(cfg))
+
+
+def test_a_replica_started_mid_run_loads_the_recorded_checkpoint_before_taking_jobs(
+    loop, model_dir, redis_url, tmp_path, caplog
+):
+    from transformers import AutoModelForCausalLM
+
+    first = _start(loop, model_dir, redis_url, "rep-a", weights_root=tmp_path, heartbeat_ttl_s=3)
+    late = stranger = None
+    try:
+        with RolloutQueue(redis_url, NS, run="new", batch_size=2) as q:
+            import time
+
+            deadline = time.monotonic() + 20
+            while not q.replicas():
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            model = AutoModelForCausalLM.from_pretrained(model_dir)
+            pub = CheckpointPublisher(q, tmp_path)
+            pub.start(model)
+            assert pub.publish(model) == {"rep-a": "ok"}
+            with caplog.at_level(logging.INFO, logger="maskroll.weights"):
+                late = _start(loop, model_dir, redis_url, "rep-b", weights_root=tmp_path)
+                # an app.start() that returned has started its puller: the join came first
+                assert late.servicer.weights_served == (q.run.run_id, 1)
+                assert late.puller is not None
+                elsewhere = tmp_path / "elsewhere"
+                elsewhere.mkdir()
+                stranger = _start(loop, model_dir, redis_url, "rep-c", weights_root=elsewhere)
+            assert stranger.servicer.weights_served == ("", 0)
+            assert f"joined at version 1 of run {q.run.run_id}" in caplog.text
+            assert "could not join at version 1" in caplog.text and "PERMISSION_DENIED" in caplog.text
+            assert q.replica_weights()["rep-b"] == ReplicaWeights(q.run.run_id, 1)
+    finally:
+        for r in (first, late, stranger):
+            if r is not None:
+                loop.run(r.drain(timeout_s=0))

@@ -1,0 +1,182 @@
+"""NCCL weight sync on GPUs through vLLM's own weight-transfer engine (`vllm.distributed.weight_transfer`).
+
+The trainer is rank 0 of one NCCL group; every replica's vLLM workers join it (replica i's workers at
+rank_offset 1 + i * tensor_parallel_size). vLLM's trainer-side engine (`NCCLTrainerWeightTransferEngine`)
+does the rendezvous and the packed broadcast; it drives the inference side through a
+`VLLMWeightSyncClient`, which here is maskroll's control RPC: `UpdateWeights` with a
+`CollectiveSource` (init: join the group; otherwise: receive the listed tensors), sent to every replica
+in parallel (`maskroll.client.replicas.collective_update`). Each replica pauses, receives into its live
+model (vLLM's layerwise reload: no second copy of the weights), relabels its version and resumes, as
+for the other transports (server/weight_sources.py).
+
+Only the sending trainer rank checks values: NaN or inf anywhere refuses the version before a byte is
+sent, since the bytes land in the replicas' models directly. The replica checks names and shapes
+against its model before receiving. The group's world size is fixed at `connect()`: replicas that join
+later cannot enter it (they get weights from a StreamPublisher or the directory transport) — and this
+publisher does not record versions in the run record. Needs CUDA, NCCL and vLLM on the trainer; the
+replicas run the vLLM engine started with `--vllm-arg weight_transfer_config='{"backend": "nccl"}'`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+
+from maskroll.client import ReplicaInfo
+from maskroll.client.replicas import collective_update
+from maskroll.client.tensor_push import CollectiveSpec, TensorSpec
+
+from .publish import WeightSyncError
+
+
+class GrpcWeightSyncClient:
+    """vLLM's `VLLMWeightSyncClient` protocol over maskroll's UpdateWeights(collective) RPC, to every
+    replica at once. `version` is the version the next update_weights labels its weights with."""
+
+    def __init__(
+        self,
+        replicas: Sequence[ReplicaInfo],
+        *,
+        tensor_parallel_size: int = 1,
+        group_name: str = "maskroll-weights",
+        run_id: str = "",
+        timeout: float = 600.0,
+        token: str | None = None,
+        tls: bool = False,
+        root_certs: bytes | None = None,
+    ) -> None:
+        self.replicas, self.tp, self.group_name = list(replicas), tensor_parallel_size, group_name
+        self.run_id, self.timeout = run_id, timeout
+        self._auth = {"token": token, "tls": tls, "root_certs": root_certs}
+        self.version = 0
+        self._init: dict | None = None
+        self.results: dict[str, str] = {}
+
+    @property
+    def world_size(self) -> int:
+        return 1 + self.tp * len(self.replicas)
+
+    def _specs(self, init: bool, tensors: tuple[TensorSpec, ...] = ()) -> list[CollectiveSpec]:
+        assert self._init is not None, "init_weight_transfer_engine() first"
+        return [
+            CollectiveSpec(
+                group_name=self.group_name,
+                master_address=str(self._init["master_address"]),
+                master_port=int(self._init["master_port"]),
+                rank_offset=1 + i * self.tp,  # vLLM's init_info says 1: the first replica's place
+                world_size=int(self._init["world_size"]),
+                init=init,
+                tensors=tensors,
+                packed=bool(self._init.get("packed", True)),
+            )
+            for i in range(len(self.replicas))
+        ]
+
+    def _call(self, version: int, specs: list[CollectiveSpec]) -> None:
+        self.results = asyncio.run(
+            collective_update(
+                self.replicas, version, specs, run_id=self.run_id, timeout=self.timeout, **self._auth
+            )
+        )
+        failed = {r: e for r, e in self.results.items() if e != "ok"}
+        if failed:
+            raise WeightSyncError(version, failed, self.results)
+
+    # ---- VLLMWeightSyncClient -------------------------------------------------------------------
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._init = dict(init_info)
+        self._call(0, self._specs(init=True))
+
+    def start_weight_update(self) -> None:
+        """Nothing to do: each replica starts, receives and finishes within its one UpdateWeights."""
+
+    def update_weights(self, update_info: dict) -> None:
+        tensors = tuple(
+            TensorSpec(name=n, dtype=d, shape=tuple(s), nbytes=0)
+            for n, d, s in zip(
+                update_info["names"], update_info["dtype_names"], update_info["shapes"], strict=True
+            )
+        )
+        self._call(self.version, self._specs(init=False, tensors=tensors))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Nothing to do: the replicas finished (and relabelled) in update_weights."""
+
+
+class CollectivePublisher:
+    """Publish versions of `model` (on CUDA) to every live replica of `queue` over NCCL.
+
+    pub = CollectivePublisher(q, model, master_address="10.0.0.5", master_port=29600)
+    pub.connect()            # the rendezvous: every live replica joins the group
+    for step in ...:
+        ...                  # an optimiser step
+        pub.publish()        # version + 1, broadcast from rank 0
+    """
+
+    def __init__(
+        self,
+        queue,
+        model: torch.nn.Module,
+        *,
+        master_address: str,
+        master_port: int,
+        tensor_parallel_size: int = 1,
+        packed: bool = True,
+        timeout: float = 600.0,
+    ) -> None:
+        self.queue, self.model = queue, model
+        self.master_address, self.master_port, self.packed = master_address, master_port, packed
+        self.tp, self.timeout = tensor_parallel_size, timeout
+        self.version = 0
+        self.client: GrpcWeightSyncClient | None = None
+        self._engine = None
+
+    def connect(self) -> list[str]:
+        """Form the group with the live replicas; returns their ids."""
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.nccl_engine import (
+            NCCLTrainerInitInfo,
+            NCCLTrainerWeightTransferEngine,
+        )
+
+        replicas = self.queue.replicas()
+        if not replicas:
+            raise WeightSyncError(0, {}, {})
+        run = getattr(self.queue, "run", None)
+        self.client = GrpcWeightSyncClient(
+            replicas,
+            tensor_parallel_size=self.tp,
+            run_id=run.run_id if run is not None else "",
+            timeout=self.timeout,
+            token=getattr(self.queue, "token", None),
+        )
+        self.version = run.version if run is not None else 0
+        info = NCCLTrainerInitInfo(
+            master_address=self.master_address,
+            master_port=self.master_port,
+            world_size=self.client.world_size,
+            packed=self.packed,
+        )
+        self._engine = NCCLTrainerWeightTransferEngine.trainer_init(
+            info, client=self.client, source=ModuleSource(self.model)
+        )
+        return [r.replica_id for r in replicas]
+
+    def publish(self, version: int | None = None) -> dict[str, str]:
+        """Broadcast the model's parameters as `version` (default: the last + 1); {replica_id: "ok"}.
+        Raises ValueError (nothing sent) on a non-finite value, WeightSyncError if a replica failed."""
+        if self._engine is None or self.client is None:
+            raise RuntimeError("connect() first")
+        version = self.version + 1 if version is None else int(version)
+        if version <= self.version:
+            raise ValueError(f"version {version} does not move forward: the last published is {self.version}")
+        for name, p in self.model.named_parameters():
+            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+                raise ValueError(f"parameter {name!r} has non-finite values; version {version} not sent")
+        self.client.version = version
+        self._engine.send_weights()
+        self.version = version
+        return dict(self.client.results)

@@ -1,0 +1,266 @@
+"""StreamPublisher: new policy versions pushed to every live replica over gRPC (PushWeights), with no
+shared filesystem between the trainer and the replicas.
+
+One call per version: the model's state dict is snapshotted to CPU (the trainer keeps this one copy:
+it is what a replica that joins or restarts later is sent), described by a manifest (names, safetensors
+dtypes, shapes, sizes, a CRC-32 per tensor) and streamed to every live replica in parallel in chunks of
+`chunk_bytes`, a timeout each (`RolloutQueue.push_weights`). The run record in Redis gets the version
+with `checkpoint = "stream"`: a replica that starts while the run is at version v > 0 registers and
+waits (server/app.py `join_current_version`); the publisher's follower thread sees it serving other
+weights within `follow_s` and pushes it the current version. With `save_root`, each version is also
+written there in the `checkpoint.py` layout, on the trainer's own disk, so a restarted trainer can
+resume the run from it.
+
+The bytes sent are the tensors' own memory (a zero-copy view of each contiguous CPU tensor), so the
+trainer holds the snapshot plus one chunk per replica in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import zlib
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from maskroll.client import BroadcastError, ReplicaWeights
+from maskroll.client.tensor_push import DEFAULT_CHUNK_BYTES, TensorSpec, WeightsManifest
+
+from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+from .publish import OK, WeightSyncError
+
+log = logging.getLogger(__name__)
+
+STREAM_RECORD = "stream"  # the run record's `checkpoint` for a version only the trainer holds
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def snapshot(state_dict: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU copy of the weights, contiguous: the optimiser changes the model in place, while a push
+    (and a later catch-up) must send this version."""
+    if isinstance(state_dict, torch.nn.Module):
+        state_dict = state_dict.state_dict()
+    if not state_dict:
+        raise ValueError("the state dict is empty: nothing to publish")
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state_dict.items()}
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    # view(uint8) first: numpy has no bfloat16, and bytes are all the wire wants
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def manifest_of(tensors: Mapping[str, torch.Tensor], version: int, run_id: str = "") -> WeightsManifest:
+    """The manifest of `tensors` (CPU, contiguous), each with its CRC-32."""
+    specs = []
+    for name, t in tensors.items():
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which cannot be pushed")
+        raw = _raw(t)
+        specs.append(
+            TensorSpec(name, SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), raw.nbytes, zlib.crc32(raw))
+        )
+    return WeightsManifest(version=version, tensors=tuple(specs), run_id=run_id)
+
+
+def chunks_of(
+    tensors: Mapping[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[tuple[int, int, memoryview]]:
+    """(tensor index, byte offset, bytes) of every tensor in order, at most `chunk_bytes` each."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    for index, t in enumerate(tensors.values()):
+        raw = _raw(t)
+        for offset in range(0, raw.nbytes, chunk_bytes):
+            yield index, offset, raw[offset : offset + chunk_bytes]
+
+
+class StreamPublisher:
+    """Publishes versions of a model to the replicas behind `queue` through PushWeights.
+
+        q = RolloutQueue(url, "run1", run="new", batch_size=64, max_staleness=1)
+        pub = StreamPublisher(q)
+        pub.start(model)
+        for step in ...:
+            ...                       # an optimiser step
+            pub.publish(model)        # version + 1: recorded, streamed to every replica
+        pub.close()                   # stops the follower thread
+
+    Args:
+        queue: a `maskroll.client.RolloutQueue` (its run, replica registry and PushWeights are used).
+        save_root: also write each version to `<save_root>/v<version>` (the trainer's local disk), for
+            resuming the run after a trainer restart; None keeps no file.
+        keep: versions kept under save_root.
+        timeout: seconds each replica may take to receive and load a version.
+        require_all: as CheckpointPublisher: raise WeightSyncError if any live replica failed.
+        chunk_bytes: bytes per PushWeights message (under the replicas' --max-message-bytes).
+        follow_s: every this many seconds, push the current version to live replicas that do not
+            serve it (joined or restarted since the last publish); None: no follower thread.
+    """
+
+    def __init__(
+        self,
+        queue,
+        *,
+        save_root: str | os.PathLike | None = None,
+        keep: int = 2,
+        timeout: float = 120.0,
+        require_all: bool = True,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        follow_s: float | None = 5.0,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self.queue, self.keep, self.timeout, self.require_all = queue, keep, timeout, require_all
+        self.save_root = None if save_root is None else os.path.abspath(save_root)
+        self.chunk_bytes = chunk_bytes
+        self._tensors: dict[str, torch.Tensor] | None = None  # the last published version's snapshot
+        self._manifest: WeightsManifest | None = None
+        self._version = 0
+        self._lock = threading.Lock()  # one push at a time: publish vs the follower's catch-up
+        self._stop = threading.Event()
+        self._follower: threading.Thread | None = None
+        if follow_s is not None:
+            if follow_s <= 0:
+                raise ValueError(f"follow_s must be > 0 or None, got {follow_s}")
+            self._follower = threading.Thread(
+                target=self._follow, args=(follow_s,), name="maskroll-weights-follow", daemon=True
+            )
+            self._follower.start()
+
+    @property
+    def version(self) -> int:
+        run = getattr(self.queue, "run", None)
+        return run.version if run is not None else self._version
+
+    def start(self, model: torch.nn.Module) -> int:
+        """Put the trainer and every live replica on the run's current version; returns it. A resumed
+        run at v > 0 loads `<save_root>/v<v>` into `model` when it exists (otherwise `model` must
+        already hold version v: the stream keeps no copy outside this process) and pushes it to the
+        replicas not serving it. A run at 0 publishes `model` as version 0 if some replica serves other
+        weights, as CheckpointPublisher.start."""
+        run = self.queue.run
+        if run.version > 0:
+            own = checkpoint_dir(self.save_root, run.version) if self.save_root else None
+            if own is not None and own.exists():
+                load_checkpoint(model, own)
+            else:
+                log.warning(
+                    "resuming run %s at version %d: no local copy under save_root=%s; the model is taken "
+                    "to hold version %d already",
+                    run.run_id,
+                    run.version,
+                    self.save_root,
+                    run.version,
+                )
+            self._remember(snapshot(model), run.version)
+            self.catch_up()
+            return run.version
+        serving = self.queue.replica_weights()
+        other = {
+            r: w
+            for r, w in serving.items()
+            if not (isinstance(w, ReplicaWeights) and w.version == 0 and w.run_id in ("", run.run_id))
+        }
+        if other:
+            log.info("run %s starts at version 0; replicas serving other weights: %s", run.run_id, other)
+            self.publish(model, 0)
+        else:
+            self._remember(snapshot(model), 0)
+        return 0
+
+    def publish(
+        self, model: Mapping[str, torch.Tensor] | torch.nn.Module, version: int | None = None
+    ) -> dict[str, str]:
+        """Snapshot `model` as `version` (default: the last + 1), record it as the run's latest and push
+        it to every live replica; returns {replica_id: "ok" | "unchanged" | error}."""
+        last = self.version
+        version = last + 1 if version is None else int(version)
+        if version < last or (version == last and version != 0):
+            raise ValueError(f"version {version} does not move the run forward: the last published is {last}")
+        tensors = snapshot(model)
+        if self.save_root is not None:
+            save_checkpoint(tensors, self.save_root, version)
+        with self._lock:
+            self._remember(tensors, version)
+            try:
+                results = self.queue.push_weights(
+                    version, self._manifest, self._chunks, timeout=self.timeout, record=STREAM_RECORD
+                )
+            except BroadcastError as e:
+                raise WeightSyncError(version, e.failed, e.results) from e
+        self._version = version
+        self._prune(version)
+        failed = {r: e for r, e in results.items() if e not in OK}
+        if (failed and self.require_all) or len(failed) == len(results):
+            raise WeightSyncError(version, failed, results)
+        return results
+
+    def catch_up(self) -> dict[str, str]:
+        """Push the current version to the live replicas that do not serve it; {replica_id: result}.
+        Nothing to do (no replica, or all current) is not an error."""
+        with self._lock:
+            if self._manifest is None:
+                return {}
+            return self.queue.push_weights(
+                self._manifest.version, self._manifest, self._chunks, timeout=self.timeout, record=None
+            )
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._follower is not None:
+            self._follower.join(timeout=self.timeout + 15)
+            self._follower = None
+
+    def __enter__(self) -> StreamPublisher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _remember(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        self._tensors, self._manifest = tensors, manifest_of(tensors, version)
+
+    def _chunks(self) -> Iterator[tuple[int, int, memoryview]]:
+        tensors = self._tensors  # the version being sent, even if a publish replaces it meanwhile
+        return chunks_of(tensors, self.chunk_bytes)
+
+    def _follow(self, period: float) -> None:
+        while not self._stop.wait(period):
+            try:
+                results = self.catch_up()
+            except Exception as e:  # a closed queue, Redis away: the next round tries again
+                log.warning("weights follower: catch-up failed: %s: %s", type(e).__name__, e)
+                continue
+            pushed = {r: e for r, e in results.items() if e != "unchanged"}
+            if pushed:
+                log.info("weights follower: version %d pushed to %s", self._manifest.version, pushed)
+
+    def _prune(self, version: int) -> None:
+        if self.save_root is None:
+            return
+        import shutil
+
+        for old in range(version - self.keep, -1, -1):
+            d = checkpoint_dir(self.save_root, old)
+            if not d.exists():
+                break
+            shutil.rmtree(d)
