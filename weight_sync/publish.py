@@ -33,6 +33,17 @@ log = logging.getLogger(__name__)
 OK = ("ok", "unchanged")  # a replica that serves the version now
 
 
+def on_other_weights(serving: Mapping[str, object], run_id: str) -> dict[str, object]:
+    """The replicas of `serving` ({replica_id: ReplicaWeights | error}) not known to hold version 0 of
+    run `run_id` — a new run must publish its starting weights to them. A replica still on its
+    starting weights (version 0, no run yet) is taken to hold what the run starts from."""
+    return {
+        r: w
+        for r, w in serving.items()
+        if not (isinstance(w, ReplicaWeights) and w.version == 0 and w.run_id in ("", run_id))
+    }
+
+
 class WeightSyncError(BroadcastError):
     """A published version did not reach the replicas it had to reach."""
 
@@ -108,12 +119,7 @@ class CheckpointPublisher:
             log.info("resumed run %s at version %d from %s", run.run_id, run.version, run.checkpoint or own)
             self._checked(run.version, lambda: self.queue.sync_replicas(timeout=self.timeout))
             return run.version
-        serving = self.queue.replica_weights()
-        other = {
-            r: w
-            for r, w in serving.items()
-            if not (isinstance(w, ReplicaWeights) and w.version == 0 and w.run_id in ("", run.run_id))
-        }
+        other = on_other_weights(self.queue.replica_weights(), run.run_id)
         if other:
             log.info("run %s starts at version 0; replicas serving other weights: %s", run.run_id, other)
             results = self.publish(model, 0)

@@ -25,11 +25,11 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from maskroll.client import BroadcastError, ReplicaWeights
+from maskroll.client import BroadcastError
 from maskroll.client.tensor_push import DEFAULT_CHUNK_BYTES, TensorSpec, WeightsManifest
 
 from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
-from .publish import OK, WeightSyncError
+from .publish import OK, WeightSyncError, on_other_weights
 
 log = logging.getLogger(__name__)
 
@@ -174,12 +174,7 @@ class StreamPublisher:
             self._remember(snapshot(model), run.version)
             self.catch_up()
             return run.version
-        serving = self.queue.replica_weights()
-        other = {
-            r: w
-            for r, w in serving.items()
-            if not (isinstance(w, ReplicaWeights) and w.version == 0 and w.run_id in ("", run.run_id))
-        }
+        other = on_other_weights(self.queue.replica_weights(), run.run_id)
         if other:
             log.info("run %s starts at version 0; replicas serving other weights: %s", run.run_id, other)
             self.publish(model, 0)
