@@ -41,6 +41,7 @@ from .http_errors import NotFound
 from .metrics import Metrics
 from .pipeline import Generation, Pipeline
 from .publisher import RolloutPublisher
+from .running import Running
 from .sessions import Plan, Session, SessionStore
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -233,10 +234,7 @@ class OpenAIServing:
             max_tokens=config.max_session_tokens,
         )
         self.model_name = Path(engine.model_id).name or engine.model_id
-        self._active: set[Generation] = set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self.draining = False
+        self._running = Running()
 
     # ---- preparing a call ------------------------------------------------------------------------
 
@@ -338,8 +336,7 @@ class OpenAIServing:
         k = call.runs[0].gen.params.logprobs_k
         tracker = self.metrics.generate_started(k)
         for r in call.runs:
-            self._active.add(r.gen)
-        self._idle.clear()
+            self._running.add(r.gen)
         try:
             async with contextlib.aclosing(_merged(call.runs)) as pieces:
                 async for piece in pieces:
@@ -350,9 +347,7 @@ class OpenAIServing:
         finally:
             tracker.done()
             for r in call.runs:
-                self._active.discard(r.gen)
-            if not self._active:
-                self._idle.set()
+                self._running.discard(r.gen)
             self._release(call)
 
     def _release(self, call: Call) -> None:
@@ -426,24 +421,21 @@ class OpenAIServing:
     # ---- drain -----------------------------------------------------------------------------------
 
     @property
+    def draining(self) -> bool:
+        return self._running.draining
+
+    @property
     def in_flight(self) -> int:
-        return len(self._active)
+        return len(self._running)
 
     def begin_drain(self) -> None:
-        self.draining = True
+        self._running.begin_drain()
 
     async def wait_idle(self, timeout: float) -> bool:
-        if self._idle.is_set():
-            return True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        return await self._running.wait_idle(timeout)
 
     def abort_all(self) -> None:
-        for gen in list(self._active):
-            gen.abort()
+        self._running.abort_all()
 
 
 class _Scratch:

@@ -31,8 +31,9 @@ from .errors import (
     rpc_boundary,
 )
 from .metrics import Metrics
-from .pipeline import Generation, Pipeline
+from .pipeline import Pipeline
 from .publisher import RolloutPublisher
+from .running import Running
 
 log = logging.getLogger("maskroll.weights")
 
@@ -61,15 +62,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._pipeline = Pipeline(engine, config)
         self._keys = StreamKeys(config.namespace)  # a Generate may publish to its rollout streams only
         self._caps = self._pipeline.caps
-        self._active: dict[str, Generation] = {}  # request_id -> the running request, for drain and dedup
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._running = Running()  # for drain, and to refuse a request id already in flight
         self._weights_lock = asyncio.Lock()  # one UpdateWeights at a time: versions must increase
         self._updates: set[asyncio.Task] = set()  # running updates (a task needs a strong reference)
         # The training run of the weights served ("" = the starting weights, or a client without runs):
         # the version rule is per run (docs/records.md, "Runs"), and Generate's records carry it.
         self._run_id = ""
-        self._draining = False
         metrics.policy_version.set(engine.policy_version)
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
@@ -79,7 +77,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     @rpc_boundary("Generate")
     async def Generate(self, request: pb.GenerateRequest, context):
-        if self._draining:
+        if self._running.draining:
             raise Unavailable("the server is draining; send the request to another replica")
         if failure := self._engine.failure():
             raise Unavailable(
@@ -100,12 +98,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             if self._publisher is None:
                 raise FailedPrecondition("rollout_stream needs a server started with redis_url")
             stream = validation.rollout_stream(request.rollout_stream, self._keys)
-        if gen.request_id in self._active:
+        if gen.request_id in self._running:
             raise AlreadyExists(f"request_id {gen.request_id!r} is already in flight on this replica")
         finished = []  # records, published to `stream` once the request is complete
         arrays = request.include_record_arrays
         tracker = self._metrics.generate_started(gen.params.logprobs_k)
-        self._track(gen)
+        self._running.add(gen)
         try:
             async with contextlib.aclosing(gen.stream()) as chunks:
                 async for chunk in chunks:
@@ -117,17 +115,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             if stream and all(r.finish_reason != "abort" for r in finished):
                 await self._publisher.publish(finished, stream)
         finally:
-            self._untrack(gen.request_id)
+            self._running.discard(gen)
             tracker.done()
-
-    def _track(self, gen: Generation) -> None:
-        self._active[gen.request_id] = gen
-        self._idle.clear()
-
-    def _untrack(self, request_id: str) -> None:
-        del self._active[request_id]
-        if not self._active:
-            self._idle.set()
 
     # ---- UpdateWeights --------------------------------------------------------------------------
 
@@ -135,7 +124,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context) -> pb.UpdateWeightsResponse:
         update = wire.update_from_pb(request)
         try:
-            if self._draining:
+            if self._running.draining:
                 raise Unavailable("the server is draining")
             if update.collective:
                 source = weight_sources.CollectiveSource(wire.collective_from_pb(request))
@@ -167,7 +156,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             raise InvalidArgument(str(e)) from e
         update = WeightsUpdate(version=manifest.version, checkpoint_dir="(push)", run_id=manifest.run_id)
         try:
-            if self._draining:
+            if self._running.draining:
                 raise Unavailable("the server is draining")
             self._check_version(update)
             # When the client goes away (a deadline, a dropped connection) the request iterator may
@@ -287,26 +276,19 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     @property
     def in_flight(self) -> int:
-        return len(self._active)
+        return len(self._running)
 
     def begin_drain(self) -> None:
         """Refuse new work (UNAVAILABLE, so clients retry elsewhere); in-flight requests go on."""
-        self._draining = True
+        self._running.begin_drain()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Whether every in-flight Generate finished within `timeout` seconds."""
-        if self._idle.is_set():  # wait_for(..., 0) would time out even on a set event
-            return True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        return await self._running.wait_idle(timeout)
 
     def abort_all(self) -> None:
         """End every in-flight Generate now: each unfinished sample gets a record with finish_reason abort."""
-        for gen in self._active.values():
-            gen.abort()
+        self._running.abort_all()
 
 
 def _log_refused(update: WeightsUpdate, exc: ServiceError, source=None) -> None:
