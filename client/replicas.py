@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
 import redis.asyncio as aioredis
 
 from .streams import StreamKeys
 from .tensor_push import CollectiveSpec, WeightsManifest
+
+if TYPE_CHECKING:
+    from .rollout_client import RolloutClient
+
+T = TypeVar("T")
 
 
 class BroadcastError(RuntimeError):
@@ -80,6 +86,30 @@ async def live_replicas(r: aioredis.Redis, keys: StreamKeys) -> list[ReplicaInfo
     return sorted(out, key=lambda rep: rep.replica_id)
 
 
+async def _each(
+    replicas: Sequence[ReplicaInfo],
+    call: Callable[[int, RolloutClient], Awaitable[T]],
+    *,
+    token: str | None,
+    tls: bool,
+    root_certs: bytes | None,
+) -> dict[str, T | str]:
+    """`call(i, client of replica i)` on every replica concurrently; {replica_id: its result or
+    "<ErrorType>: <message>"}: one replica failing never stops the others (reported per replica, by
+    design)."""
+    from .rollout_client import RolloutClient  # grpc only when replicas are called
+
+    async def one(i: int, rep: ReplicaInfo) -> T | str:
+        try:
+            async with RolloutClient(rep.address, token=token, tls=tls, root_certs=root_certs) as c:
+                return await call(i, c)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+
+    results = await asyncio.gather(*(one(i, rep) for i, rep in enumerate(replicas)))
+    return {rep.replica_id: res for rep, res in zip(replicas, results, strict=True)}
+
+
 async def broadcast_weights(
     replicas: Sequence[ReplicaInfo],
     version: int,
@@ -93,18 +123,12 @@ async def broadcast_weights(
 ) -> dict[str, str]:
     """UpdateWeights(version of run `run_id`) on every replica concurrently, each bounded by `timeout` s.
     Returns {replica_id: "ok" | "<ErrorType>: <message>"}: one replica failing never stops the others."""
-    from .rollout_client import RolloutClient  # grpc only when weights are pushed
 
-    async def one(rep: ReplicaInfo) -> str:
-        try:
-            async with RolloutClient(rep.address, token=token, tls=tls, root_certs=root_certs) as c:
-                await asyncio.wait_for(c.update_weights(version, checkpoint_dir, run_id=run_id), timeout)
-            return "ok"
-        except Exception as e:  # reported per replica, by design
-            return f"{type(e).__name__}: {e}"
+    async def call(_: int, c: RolloutClient) -> str:
+        await asyncio.wait_for(c.update_weights(version, checkpoint_dir, run_id=run_id), timeout)
+        return "ok"
 
-    results = await asyncio.gather(*(one(rep) for rep in replicas))
-    return {rep.replica_id: res for rep, res in zip(replicas, results, strict=True)}
+    return await _each(replicas, call, token=token, tls=tls, root_certs=root_certs)
 
 
 async def replica_weights(
@@ -116,18 +140,12 @@ async def replica_weights(
     root_certs: bytes | None = None,
 ) -> dict[str, ReplicaWeights | str]:
     """GetInfo on every replica concurrently: {replica_id: ReplicaWeights | "<ErrorType>: <message>"}."""
-    from .rollout_client import RolloutClient
 
-    async def one(rep: ReplicaInfo) -> ReplicaWeights | str:
-        try:
-            async with RolloutClient(rep.address, token=token, tls=tls, root_certs=root_certs) as c:
-                info = await asyncio.wait_for(c.info(), timeout)
-            return ReplicaWeights(info.run_id, info.policy_version)
-        except Exception as e:  # reported per replica, by design
-            return f"{type(e).__name__}: {e}"
+    async def call(_: int, c: RolloutClient) -> ReplicaWeights:
+        info = await asyncio.wait_for(c.info(), timeout)
+        return ReplicaWeights(info.run_id, info.policy_version)
 
-    results = await asyncio.gather(*(one(rep) for rep in replicas))
-    return {rep.replica_id: res for rep, res in zip(replicas, results, strict=True)}
+    return await _each(replicas, call, token=token, tls=tls, root_certs=root_certs)
 
 
 async def push_weights(
@@ -145,26 +163,19 @@ async def push_weights(
     in manifest order; each replica reads at its own pace, so a slow or dead one never holds back the
     others. Returns {replica_id: "ok" | "<ErrorType>: <message>"}."""
     from . import wire
-    from .rollout_client import RolloutClient
 
     def messages():
         yield wire.manifest_to_pb(manifest)
         for index, offset, data in chunks():
             yield wire.push_chunk_to_pb(index, offset, data)
 
-    async def one(rep: ReplicaInfo) -> str:
-        try:
-            async with RolloutClient(rep.address, token=token, tls=tls, root_certs=root_certs) as c:
-                # The deadline bounds the whole call (gRPC cancels it, so the replica drops the
-                # half-received push); wait_for is the backstop for a channel that never connects.
-                call = c._unary(c._rollout().PushWeights, messages(), timeout)
-                await asyncio.wait_for(call, timeout + 5.0)
-            return "ok"
-        except Exception as e:  # reported per replica, by design
-            return f"{type(e).__name__}: {e}"
+    async def call(_: int, c: RolloutClient) -> str:
+        # The deadline bounds the whole call (gRPC cancels it, so the replica drops the half-received
+        # push); wait_for is the backstop for a channel that never connects.
+        await asyncio.wait_for(c._unary(c._rollout().PushWeights, messages(), timeout), timeout + 5.0)
+        return "ok"
 
-    results = await asyncio.gather(*(one(rep) for rep in replicas))
-    return {rep.replica_id: res for rep, res in zip(replicas, results, strict=True)}
+    return await _each(replicas, call, token=token, tls=tls, root_certs=root_certs)
 
 
 async def collective_update(
@@ -181,16 +192,13 @@ async def collective_update(
     """UpdateWeights(collective spec i) on replica i, all concurrently (each blocks in its NCCL
     rendezvous or receive until the trainer broadcasts). {replica_id: "ok" | "<ErrorType>: <message>"}."""
     from . import wire
-    from .rollout_client import RolloutClient
 
-    async def one(rep: ReplicaInfo, spec: CollectiveSpec) -> str:
-        try:
-            async with RolloutClient(rep.address, token=token, tls=tls, root_certs=root_certs) as c:
-                request = wire.collective_request(version, spec, run_id)
-                await asyncio.wait_for(c._unary(c._rollout().UpdateWeights, request, timeout), timeout + 5.0)
-            return "ok"
-        except Exception as e:  # reported per replica, by design
-            return f"{type(e).__name__}: {e}"
+    if len(specs) != len(replicas):
+        raise ValueError(f"{len(specs)} collective specs for {len(replicas)} replicas")
 
-    results = await asyncio.gather(*(one(rep, spec) for rep, spec in zip(replicas, specs, strict=True)))
-    return {rep.replica_id: res for rep, res in zip(replicas, results, strict=True)}
+    async def call(i: int, c: RolloutClient) -> str:
+        request = wire.collective_request(version, specs[i], run_id)
+        await asyncio.wait_for(c._unary(c._rollout().UpdateWeights, request, timeout), timeout + 5.0)
+        return "ok"
+
+    return await _each(replicas, call, token=token, tls=tls, root_certs=root_certs)
