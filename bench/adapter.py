@@ -25,9 +25,22 @@ V = 151936; a few tokens per thousand masked at δ = 0.05); a sampled from μ; t
 of μ. So sampled and top-K logprobs are those of a slightly perturbed policy, as a rollout engine
 returns them; advantages ~ N(0, 1).
 
+`--compile auto|true|false` is handed to token_logprobs and MaskConfig (trainer_adapter/kernels.py).
+`--device cuda` runs the same cases on a GPU: inputs are built on the CPU (the same numbers) and moved,
+the clock starts and stops after torch.cuda.synchronize(), and the extra peak is
+torch.cuda.max_memory_allocated() above the allocation at the step's start (reset before each step).
+
+`--arith` measures instead the arithmetic of one [chunk_tokens, V] chunk, part by part (forward,
+backward, mask + loss), for the baseline and for the predictive step with the eager and the compiled
+kernels, on buffers allocated once (no page faults): process CPU time, 1 thread, minimum of 5
+interleaved rounds (see `arith_parts`).
+
     .venv/bin/python bench/adapter.py                  # N = 8192, K = 20, V ∈ {32768, 151936}, f32 + bf16
     .venv/bin/python bench/adapter.py --quick          # N = 2048, V = 32768
     .venv/bin/python bench/adapter.py --vocab 32768 --dtype bfloat16 --json
+    .venv/bin/python bench/adapter.py --arith          # per-chunk arithmetic, V = 32768, f32 + bf16
+    .venv/bin/python bench/adapter.py --device cuda --threads 8
+    .venv/bin/python bench/adapter.py --arith --device cuda --vocab 151936
 """
 
 from __future__ import annotations
@@ -55,6 +68,7 @@ CASES = {
     "c": "predictive + topk_kl + proportional, vocab_stats shared",
     "c'": "predictive + topk_kl + proportional, own vocab pass",
 }
+COMPILE = {"auto": "auto", "true": True, "false": False}  # --compile → token_logprobs(compile=)
 TARGET_TIME_RATIO = 1.3  # issue: (b)/(a) and (c)/(a) time
 TARGET_EXTRA_CHUNKS = 1.0  # issue: extra peak over (a) ≤ one [chunk_tokens, V] float32 chunk
 GIB = 1024**3
@@ -117,7 +131,31 @@ class PeakMeter:
         return peak - before
 
 
-def make_inputs(n: int, vocab: int, k: int, dtype, chunk: int, seed: int) -> dict:
+class CudaPeakMeter:
+    """Peak of torch's CUDA caching allocator during a block above what was allocated at its start
+    (torch.cuda.max_memory_allocated after reset_peak_memory_stats): the tensors' own bytes, not the
+    allocator's reserved pool. The block is followed by a synchronize so its kernels have run."""
+
+    method = "torch.cuda.max_memory_allocated"
+
+    def __init__(self) -> None:
+        self.log: list[dict[str, int]] = []
+
+    def measure(self, fn: Callable[[], None]) -> int:
+        import torch
+
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        self.log.append({"allocated_before": before, "max_allocated": peak})
+        return peak - before
+
+
+def make_inputs(n: int, vocab: int, k: int, dtype, chunk: int, seed: int, device: str = "cpu") -> dict:
+    """The benchmark's inputs, built on the CPU (the same numbers for every device), then moved."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -143,17 +181,13 @@ def make_inputs(n: int, vocab: int, k: int, dtype, chunk: int, seed: int) -> dic
         sampled_lp[rows] = log_mu.gather(-1, ids[rows, None]).squeeze(-1)
         del x, cdf, log_mu
     adv = torch.randn(n, generator=g)
-    return {
-        "logits": logits.requires_grad_(),
-        "ids": ids,
-        "slp": sampled_lp,
-        "tid": topk_ids,
-        "tlp": topk_lp,
-        "adv": adv,
-    }
+    out = {"ids": ids, "slp": sampled_lp, "tid": topk_ids, "tlp": topk_lp, "adv": adv}
+    out = {key: t.to(device) for key, t in out.items()}
+    out["logits"] = logits.to(device).requires_grad_()
+    return out
 
 
-def step_fn(case: str, inp: dict, chunk: int) -> Callable[[], dict]:
+def step_fn(case: str, inp: dict, chunk: int, compile: str | bool = "auto") -> Callable[[], dict]:
     """One forward + backward of `case`; returns a few metrics as floats (sanity, not timing)."""
     import torch
 
@@ -173,15 +207,23 @@ def step_fn(case: str, inp: dict, chunk: int) -> Callable[[], dict]:
 
     method = {"b": "dppo", "c": "predictive"}[case[0]]
     cfg = MaskConfig(
-        method=method, divergence="topk_kl", estimator="proportional", delta=0.05, chunk_tokens=chunk
+        method=method,
+        divergence="topk_kl",
+        estimator="proportional",
+        delta=0.05,
+        chunk_tokens=chunk,
+        compile=compile,
     )
     share = not case.endswith("'")
 
     def adapter() -> dict:
         if share:
-            lp, stats = token_logprobs(logits, ids, temperature=1.0, chunk_tokens=chunk, return_stats=True)
+            lp, stats = token_logprobs(
+                logits, ids, temperature=1.0, chunk_tokens=chunk, return_stats=True, compile=compile
+            )
         else:
-            lp, stats = token_logprobs(logits, ids, temperature=1.0, chunk_tokens=chunk), None
+            lp = token_logprobs(logits, ids, temperature=1.0, chunk_tokens=chunk, compile=compile)
+            stats = None
         res = compute_masks(
             logits.detach(), ids, slp, inp["tid"], inp["tlp"], adv, config=cfg, vocab_stats=stats
         )
@@ -202,10 +244,11 @@ def run_one(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     t0 = time.perf_counter()
-    inp = make_inputs(args.tokens, args.vocab, args.topk, dtype, args.chunk_tokens, args.seed)
+    inp = make_inputs(args.tokens, args.vocab, args.topk, dtype, args.chunk_tokens, args.seed, args.device)
     setup_s = time.perf_counter() - t0
-    step = step_fn(args.one, inp, args.chunk_tokens)
-    meter = PeakMeter()
+    step = step_fn(args.one, inp, args.chunk_tokens, COMPILE[args.compile])
+    cuda = args.device.startswith("cuda")
+    meter = CudaPeakMeter() if cuda else PeakMeter()
     logits = inp["logits"]
     times, peaks, cpu, info = [], [], [], {}
     for rep in range(args.reps + 1):  # rep 0 warms up (first-touch of allocator pools, lazy init)
@@ -215,8 +258,13 @@ def run_one(args: argparse.Namespace) -> dict:
         def timed(out: dict = out) -> None:
             # CPU time split and minor page faults: on CPU every fresh [N, V] tensor is mmap'd and
             # faulted in page by page, which shows up as system time, not as arithmetic.
+            # On CUDA the clock starts and stops on an idle device: kernels are asynchronous.
+            if cuda:
+                torch.cuda.synchronize()
             r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             out.update(step())
+            if cuda:
+                torch.cuda.synchronize()
             out["s"] = time.perf_counter() - t
             r1 = resource.getrusage(resource.RUSAGE_SELF)
             out["cpu"] = (r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt)
@@ -240,6 +288,8 @@ def run_one(args: argparse.Namespace) -> dict:
         "vocab": args.vocab,
         "dtype": args.dtype,
         "tokens": args.tokens,
+        "device": args.device,
+        "compile": args.compile,
         "time_s": statistics.median(times),
         "time_min_s": min(times),
         "times_s": times,
@@ -248,13 +298,198 @@ def run_one(args: argparse.Namespace) -> dict:
         "minor_faults": statistics.median(c[2] for c in cpu),
         "extra_peak_bytes": max(peaks),
         "grad_bytes": logits.numel() * logits.element_size(),
-        "input_rss_bytes": meter.log[0]["rss_before"] if meter.log else None,
+        "input_rss_bytes": meter.log[0].get("rss_before") if meter.log else None,
         "setup_s": setup_s,
         "peak_method": meter.method,
         "loadavg": os.getloadavg(),  # a shared machine: the neighbours' load at the end of the case
         "proc_log": meter.log,
         **info,
     }
+
+
+# ---- --arith: the arithmetic of one chunk, without page faults -------------------------------------
+
+ARITH_KERNELS = ("baseline", "eager", "compiled")
+
+
+def arith_parts(vocab: int, dtype_name: str, args: argparse.Namespace) -> dict:
+    """Per-chunk cost of each part of one loss step, for the baseline and for the predictive step with
+    the eager and the compiled kernels (trainer_adapter/kernels.py).
+
+    One [chunk_tokens, V] chunk; every [c, V] buffer is allocated once and reused, so no part pays
+    for page faults (the step mode's wall clock is dominated by them on CPU). Parts:
+      baseline  fwd: (upcast,) log_softmax(out=), gather;  bwd: zero + scatter (gather's backward),
+                _log_softmax_backward_data(out=), (cast to bf16);  loss: PPO-clip on [c], fwd + bwd
+      ours      fwd: kernels.chunk_stats;  bwd: kernels.chunk_grad into the gradient's rows;
+                loss: compute_masks(predictive, topk_kl, proportional, vocab_stats) + policy_loss, fwd + bwd
+    CPU: process CPU time (all threads; equal to the thread's with --threads 1). CUDA: wall time between
+    two torch.cuda.synchronize(). Each part's figure is the minimum over --reps rounds in which the
+    parts run interleaved, after one warm-up round (and, for compiled, the first call that compiles).
+    """
+    import torch
+
+    from maskroll.trainer_adapter import MaskConfig, VocabStats, compute_masks, kernels, policy_loss
+    from maskroll.trainer_adapter.processed import Workspace
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+    c = args.chunk_tokens
+    inp = make_inputs(c, vocab, args.topk, dtype, c, args.seed, args.device)
+    raw = inp["logits"].detach()  # [c, V]
+    ids, slp, adv = inp["ids"], inp["slp"], inp["adv"]
+    temp = torch.ones(c, dtype=torch.float64, device=device)
+    g = torch.full((c,), -1.0 / c, device=device)  # d loss / d log π_a of a token-mean loss
+    f32 = torch.float32
+    up = torch.empty(c, vocab, device=device) if dtype != f32 else None
+    lp, gz, gin = (torch.empty(c, vocab, device=device) for _ in range(3))
+    grad_base = torch.empty(c, vocab, dtype=dtype, device=device)
+    grad_ours = {k: torch.empty(c, vocab, dtype=dtype, device=device) for k in ("eager", "compiled")}
+    work = {k: Workspace() for k in ("eager", "compiled")}
+    stats: dict[str, kernels.ChunkStats] = {}
+    cfg = MaskConfig(method="predictive", divergence="topk_kl", estimator="proportional", delta=0.05)
+
+    def base_fwd() -> None:
+        src = up.copy_(raw) if up is not None else raw
+        torch.log_softmax(src, -1, out=lp)
+        stats["baseline_lp"] = lp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+    def base_bwd() -> None:
+        gz.zero_().scatter_(-1, ids.unsqueeze(-1), g.unsqueeze(-1))
+        torch._log_softmax_backward_data(gz, lp, -1, f32, out=gin)
+        if dtype != f32:
+            grad_base.copy_(gin)
+
+    def base_loss() -> None:
+        lp_a = stats["baseline_lp"].detach().requires_grad_()
+        r = torch.exp(lp_a - slp)
+        loss = -torch.mean(torch.minimum(r * adv, torch.clamp(r, 1 - 0.2, 1 + 0.28) * adv))
+        loss.backward()
+
+    def ours(kind: str) -> dict[str, Callable[[], None]]:
+        compiled = kind == "compiled"
+
+        def fwd() -> None:
+            stats[kind] = kernels.chunk_stats(
+                raw, temp, ids, None, compiled=compiled, top_k=None, top_p=None, work=work[kind]
+            )
+
+        def bwd() -> None:
+            kernels.chunk_grad(
+                raw, temp, ids, stats[kind].lse, g.to(f32), grad_ours[kind],
+                compiled=compiled, top_k=None, top_p=None, work=work[kind],
+            )  # fmt: skip
+
+        def loss() -> None:
+            st = stats[kind]
+            vs = VocabStats(lse=st.lse, sum_sq=st.sum_sq, temperature=temp)
+            res = compute_masks(raw, ids, slp, inp["tid"], inp["tlp"], adv, config=cfg, vocab_stats=vs)
+            lp_a = (st.x_a - st.lse).requires_grad_()
+            policy_loss(lp_a, slp, adv, res.keep, is_cap=10.0, masks=res)[0].backward()
+
+        return {"fwd": fwd, "bwd": bwd, "loss": loss}
+
+    parts = {"baseline": {"fwd": base_fwd, "bwd": base_bwd, "loss": base_loss}}
+    parts["eager"] = ours("eager")
+    parts["compiled"] = ours("compiled")
+
+    def clock() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
+
+    compile_s = {}
+    for name in ("fwd", "bwd"):  # the first calls compile (or load Inductor's on-disk cache)
+        t = time.perf_counter()
+        parts["compiled"][name]()
+        compile_s[name] = time.perf_counter() - t
+    broken = kernels.compile_failure()
+    times: dict[str, dict[str, list[float]]] = {k: {p: [] for p in v} for k, v in parts.items()}
+    for rnd in range(args.reps + 1):
+        for kind, fns in parts.items():
+            for name, fn in fns.items():
+                t = clock()
+                fn()
+                dt = clock() - t
+                if rnd:
+                    times[kind][name].append(dt)
+    best = {k: {p: min(v) for p, v in d.items()} for k, d in times.items()}
+    total = {k: sum(d.values()) for k, d in best.items()}
+    se, sc = stats["eager"], stats["compiled"]
+    return {
+        "vocab": vocab,
+        "dtype": dtype_name,
+        "chunk_tokens": c,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "clock": "wall between cuda syncs" if cuda else "process CPU time",
+        "ms": {k: {p: v * 1e3 for p, v in d.items()} for k, d in best.items()},
+        "step_ms": {k: v * 1e3 for k, v in total.items()},
+        "eager_vs_baseline": total["eager"] / total["baseline"],
+        "compiled_vs_baseline": total["compiled"] / total["baseline"],
+        "compile_s": compile_s,
+        "compile_failure": broken,
+        # How far the two kernels' outputs are apart on this chunk (tolerances: tests/trainer_adapter).
+        "max_abs_diff": {
+            "lse": (se.lse - sc.lse).abs().max().item(),
+            "sum_sq_rel": ((se.sum_sq - sc.sum_sq) / se.sum_sq).abs().max().item(),
+            "grad": (grad_ours["eager"].float() - grad_ours["compiled"].float()).abs().max().item(),
+            "grad_vs_baseline": (grad_ours["eager"].float() - grad_base.float()).abs().max().item()
+            if dtype != f32
+            else (grad_ours["eager"] - gin).abs().max().item(),
+        },
+        "loadavg": os.getloadavg(),
+    }
+
+
+def arith_table(rows: list[dict]) -> str:
+    lines = [
+        "| V | dtype | baseline fwd / bwd / loss (ms) | eager fwd / bwd / mask+loss (ms) "
+        "| compiled fwd / bwd / mask+loss (ms) | eager ÷ baseline | compiled ÷ baseline | compile (s) |",
+        "|" + "---|" * 8,
+    ]
+    for r in rows:
+        ms = r["ms"]
+        cells = [" / ".join(f"{ms[k][p]:.1f}" for p in ("fwd", "bwd", "loss")) for k in ARITH_KERNELS]
+        comp = f"{r['compile_s']['fwd']:.1f} + {r['compile_s']['bwd']:.1f}"
+        if r["compile_failure"]:
+            comp += f" (FAILED, eager ran: {r['compile_failure'][:60]})"
+        lines.append(
+            f"| {r['vocab']} | {r['dtype']} | {' | '.join(cells)} | {r['eager_vs_baseline']:.2f} "
+            f"| {r['compiled_vs_baseline']:.2f} | {comp} |"
+        )
+    return "\n".join(lines)
+
+
+def arith_main(args: argparse.Namespace, vocabs: list[int], dtypes: list[str]) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    info = machine()
+    print(
+        f"bench/adapter.py --arith: [{args.chunk_tokens}, V] chunk, V={vocabs} {dtypes}, device "
+        f"{args.device}, {args.threads} thread(s), min of {args.reps} | {info['cpu']}, GPU {info['gpu']}, "
+        f"torch {info['torch']}, load {info['loadavg'][0]:.2f}",
+        file=sys.stderr,
+        flush=True,
+    )
+    rows = []
+    for vocab in vocabs:
+        for dtype in dtypes:
+            rows.append(arith_parts(vocab, dtype, args))
+            r = rows[-1]
+            print(
+                f"  V={vocab} {dtype}: eager ×{r['eager_vs_baseline']:.2f}, "
+                f"compiled ×{r['compiled_vs_baseline']:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps({"machine": info, "args": vars(args), "arith": rows}, indent=1))
+    else:
+        print(arith_table(rows))
+    return 0
 
 
 # ---- parent: run the matrix, one child at a time ------------------------------------------------
@@ -280,12 +515,13 @@ def estimated_need(case: str, n: int, vocab: int, dtype: str) -> int:
 
 def run_child(case: str, vocab: int, dtype: str, args: argparse.Namespace) -> dict:
     base = {"case": case, "vocab": vocab, "dtype": dtype, "tokens": args.tokens}
+    # On CUDA the [N, V] tensors live in device memory; a case that does not fit reports its OOM.
     need, avail = estimated_need(case, args.tokens, vocab, dtype), mem_available()
-    if need > avail:
+    if args.device == "cpu" and need > avail:
         return {**base, "error": f"skipped: needs ~{need / GIB:.1f} GiB, MemAvailable {avail / GIB:.1f} GiB"}
     flags = {"--one": case, "--vocab": vocab, "--dtype": dtype, "--tokens": args.tokens, "--topk": args.topk,
              "--reps": args.reps, "--chunk-tokens": args.chunk_tokens, "--threads": args.threads,
-             "--seed": args.seed}  # fmt: skip
+             "--seed": args.seed, "--device": args.device, "--compile": args.compile}  # fmt: skip
     cmd = [sys.executable, os.path.abspath(__file__), *(str(x) for kv in flags.items() for x in kv)]
     # The child's stderr (progress, tracebacks) passes through; its last stdout line is the result.
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
@@ -375,7 +611,14 @@ def machine() -> dict:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "loadavg": os.getloadavg()}
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "loadavg": os.getloadavg(),
+    }
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -391,14 +634,31 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help="logits dtype (repeatable); default both",
     )
     p.add_argument("--cases", default="a,b,b',c,c'", help="comma-separated subset of a,b,b',c,c'")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up")
+    p.add_argument("--reps", type=int, help="timed repetitions after one warm-up; default 3, with --arith 5")
     p.add_argument("--chunk-tokens", type=int, default=1024, help="MaskConfig / token_logprobs chunk")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads; default 2, with --arith 1")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]: where the logits and the step live")
+    p.add_argument(
+        "--compile",
+        default="auto",
+        choices=tuple(COMPILE),
+        help="token_logprobs / MaskConfig compile: auto (default), true or false",
+    )
+    p.add_argument(
+        "--arith",
+        action="store_true",
+        help="per-chunk arithmetic of each part (baseline, eager, compiled) with warm buffers, "
+        "min of --reps; default V = 32768",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="N = 2048, V = 32768 only")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--one", choices=tuple(CASES), help=argparse.SUPPRESS)  # child mode
     args = p.parse_args(argv)
+    if args.threads is None:
+        args.threads = 1 if args.arith else 2
+    if args.reps is None:
+        args.reps = 5 if args.arith else 3
     cases = [c.strip() for c in args.cases.split(",")]
     if unknown := set(cases) - set(CASES):
         p.error(f"unknown cases {sorted(unknown)}; expected some of {list(CASES)}")
@@ -447,6 +707,8 @@ def main(argv: list[str] | None = None) -> int:
     args, cases = parse_args(argv)
     if args.one:
         return child_main(args)
+    if args.arith:
+        return arith_main(args, args.vocab or [32768], args.dtype or ["float32", "bfloat16"])
     if args.quick:
         args.tokens, args.vocab = 2048, args.vocab or [32768]
     vocabs = args.vocab or [32768, 151936]

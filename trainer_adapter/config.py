@@ -34,6 +34,9 @@ class MaskConfig:
         records sampled with truncation are refused.
     chunk_tokens: tokens processed per full-vocabulary chunk; bounds the extra memory to one
         [chunk_tokens, V] float32 tensor. Results do not depend on it.
+    compile: run compute_masks' own vocabulary pass (without vocab_stats) with the torch.compile'd
+        kernel of `kernels`: "auto" on CUDA and for V ≥ 16384 on CPU, True always (except replayed
+        truncation), False never. A compile failure warns once and falls back to eager.
     """
 
     method: Method = "predictive"
@@ -46,6 +49,7 @@ class MaskConfig:
     eps_high: float = 0.28
     replay_truncation: bool = False
     chunk_tokens: int = 1024
+    compile: Literal["auto", True, False] = "auto"
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -75,3 +79,5 @@ class MaskConfig:
             raise ValueError(f"MaskConfig.eps_low={self.eps_low}; must be < 1 (r < 1 - eps_low)")
         if not (isinstance(self.chunk_tokens, int) and self.chunk_tokens >= 1):
             raise ValueError(f"MaskConfig.chunk_tokens={self.chunk_tokens!r}; expected an int >= 1")
+        if not (self.compile == "auto" or isinstance(self.compile, bool)):
+            raise ValueError(f"MaskConfig.compile={self.compile!r}; expected 'auto', True or False")

@@ -17,15 +17,8 @@ import torch
 from . import divergences as dv
 from .config import MaskConfig
 from .inputs import check_ids, check_shape, per_token, response_mask_flat
-from .processed import (
-    VocabStats,
-    Workspace,
-    compute_dtype,
-    processed_chunk,
-    softmax_stats,
-    truncation_active,
-    validate_truncation,
-)
+from .kernels import chunk_stats, use_compiled
+from .processed import VocabStats, Workspace, compute_dtype, truncation_active, validate_truncation
 
 Tensor = torch.Tensor
 
@@ -239,13 +232,14 @@ def _vocab_pass(
     top_k: int | None,
     top_p: float | None,
     chunk_tokens: int,
+    compiled: bool,
 ) -> dict[str, Tensor]:  # _COLUMNS → [N]
     """log π_a, D and P̂ of config.divergence, and the top-K mismatch on S, chunk by chunk (docs/math.md
     §2, §4).
 
     With `stats` only the ≤ K+1 logits of S are gathered per token; without, each chunk is processed
-    (temperature, replayed truncation) into one reused [chunk_tokens, V] buffer and reduced to its
-    logsumexp and Σ π². Run under no_grad.
+    (temperature, replayed truncation) and reduced to its logsumexp and Σ π² by `kernels.chunk_stats`
+    (eager: one reused [chunk_tokens, V] buffer; compiled: none). Run under no_grad.
     """
     n, vocab = x.logits.shape
     dtype, device = compute_dtype(x.logits), x.logits.device
@@ -260,11 +254,9 @@ def _vocab_pass(
             x_a = x.logits[rows].gather(-1, ids.unsqueeze(-1)).squeeze(-1).to(dtype) / t.squeeze(-1)  # [c]
             lse, sum_sq = stats.lse[rows].to(dtype), stats.sum_sq[rows].to(dtype)  # [c], [c]
         else:
-            xs = processed_chunk(x.logits[rows], x.temp[rows], top_k, top_p, work)  # [c, V]
-            x_top = xs.gather(-1, top)  # [c, K]
-            x_a = xs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # [c]
-            pi = work.get(xs.shape[0], vocab, dtype, device)  # may be xs itself: gathered already
-            lse, sum_sq = softmax_stats(xs, out=pi)  # [c], [c]
+            x_a, x_top, lse, sum_sq = chunk_stats(
+                x.logits[rows], x.temp[rows], ids, top, compiled=compiled, top_k=top_k, top_p=top_p, work=work
+            )  # [c], [c, K], [c], [c]
         logpi_a = x_a - lse  # [c]
         support = dv.build_support(
             x_top - lse.unsqueeze(-1), logpi_a, top, x.mu_top_log[rows], ids, x.mu_a_log[rows], sum_sq, vocab
@@ -322,7 +314,15 @@ def compute_masks(
     stats = _usable_stats(vocab_stats, n, x.temp, top_k, top_p, vocab)
     token_fn, decide = _token_fn(config), DECISIONS[config.method]
     with torch.no_grad():
-        col = _vocab_pass(x, stats, token_fn, top_k=top_k, top_p=top_p, chunk_tokens=config.chunk_tokens)
+        col = _vocab_pass(
+            x,
+            stats,
+            token_fn,
+            top_k=top_k,
+            top_p=top_p,
+            chunk_tokens=config.chunk_tokens,
+            compiled=stats is None and use_compiled(config.compile, x.logits, top_k, top_p),
+        )
         q = Quantities(
             adv=x.adv,
             logpi_a=col["logpi_a"],

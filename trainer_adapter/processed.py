@@ -98,19 +98,6 @@ def processed_chunk(
     return x
 
 
-def softmax_stats(
-    x: Tensor,  # [c, V] processed logits (not modified unless `out` is x)
-    out: Tensor,  # [c, V] receives π; may be x itself
-) -> tuple[Tensor, Tensor]:  # lse [c], sum_sq [c] = Σ_V π²
-    """π = softmax(x) with one fused kernel, plus logsumexp and Σ π² from it (docs/math.md §8): the
-    largest π is exp(max x − lse) ≥ 1/V, so lse = max x − log max π never underflows."""
-    m = x.amax(dim=-1)  # [c], read before `out` may overwrite x
-    torch.softmax(x, dim=-1, out=out)
-    lse = m - out.amax(dim=-1).log()
-    sum_sq = torch.linalg.vector_norm(out, dim=-1).square_()  # no [c, V] temporary
-    return lse, sum_sq
-
-
 def processed_logprobs(
     logits: Tensor,  # [..., V]
     temperature: float | Tensor = 1.0,  # scalar or one per row of logits[..., 0]
