@@ -343,31 +343,41 @@ class AsyncRolloutQueue:
         )
 
     async def next_batch(
-        self, batch_size: int | None = None, max_staleness: int | None = None, timeout: float | None = None
+        self,
+        batch_size: int | None = None,
+        max_staleness: int | None = None,
+        timeout: float | None = None,
+        *,
+        at_least: int | None = None,
     ) -> list[RolloutRecord]:
         """The next batch of whole groups (≥ batch_size records, oldest groups first). batch_size and
-        max_staleness, when given, also become the defaults (and the in-flight limit). Raises
-        QueueTimeout after `timeout` s (None: wait forever), saying what it saw meanwhile; RunSuperseded
-        once another trainer has started a new run on the namespace. A bad or foreign record never
-        raises: it is dead-lettered and counted in `stats`."""
+        max_staleness, when given, also become the defaults (and the in-flight limit). at_least: fewer
+        records will do this once (whole groups adding up to at least this many), defaults unchanged —
+        for a trainer that already holds part of its batch, which may be all the jobs it has left in
+        flight. Raises QueueTimeout after `timeout` s (None: wait forever), saying what it saw
+        meanwhile; RunSuperseded once another trainer has started a new run on the namespace. A bad or
+        foreign record never raises: it is dead-lettered and counted in `stats`."""
         batch_size = batch_size or self.batch_size
         if not batch_size or batch_size < 1:
             raise ValueError("batch_size must be given (here or to the constructor) and >= 1")
+        if at_least is not None and not 1 <= at_least <= batch_size:
+            raise ValueError(f"at_least={at_least}; expected 1 <= at_least <= batch_size ({batch_size})")
         self.batch_size = batch_size
+        wanted = at_least or batch_size
         if max_staleness is not None:
             self.max_staleness = max_staleness
         await self.open()
         deadline = None if timeout is None else time.monotonic() + timeout
         refused_before = Counter(self._refused)
         while True:
-            batch, dropped = self._batcher.take(batch_size, self._drops)
+            batch, dropped = self._batcher.take(wanted, self._drops)
             for job_id, ids in dropped.items():
                 await self._drop(job_id, ids)
             if batch:
                 return batch
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise await self._timeout_error(batch_size, timeout, self._refused - refused_before)
+                raise await self._timeout_error(wanted, timeout, self._refused - refused_before)
             read = await self._read(
                 batch_size, 1000 if remaining is None else max(1, min(1000, int(remaining * 1000)))
             )
@@ -872,12 +882,17 @@ class RolloutQueue:
         )
 
     def next_batch(
-        self, batch_size: int | None = None, max_staleness: int | None = None, timeout: float | None = None
+        self,
+        batch_size: int | None = None,
+        max_staleness: int | None = None,
+        timeout: float | None = None,
+        *,
+        at_least: int | None = None,
     ) -> list[RolloutRecord]:
-        """The next batch of whole groups (≥ batch_size records). Raises QueueTimeout after `timeout` s,
-        RunSuperseded once another trainer started a new run; never for one bad record (it is
-        dead-lettered). See AsyncRolloutQueue.next_batch."""
-        return self._loop.run(self._q.next_batch(batch_size, max_staleness, timeout))
+        """The next batch of whole groups (≥ batch_size records; ≥ at_least, once, when given). Raises
+        QueueTimeout after `timeout` s, RunSuperseded once another trainer started a new run; never for
+        one bad record (it is dead-lettered). See AsyncRolloutQueue.next_batch."""
+        return self._loop.run(self._q.next_batch(batch_size, max_staleness, timeout, at_least=at_least))
 
     def batches(
         self, batch_size: int | None = None, max_staleness: int | None = None, timeout: float | None = None

@@ -97,7 +97,10 @@ class _Source:
         deadline = time.monotonic() + self.timeout
         while have < count:
             if not self._ready:
-                self._ready.extend(self._receive(deadline))
+                # Ask only for what is missing: the groups already held may leave fewer jobs in flight
+                # than a whole batch (e.g. after a stale group was resubmitted), and waiting for more
+                # than can come would wait forever.
+                self._ready.extend(self._receive(deadline, count - have))
                 continue
             group = self._ready.popleft()
             job = self.jobs.get(group[0].job_id)
@@ -128,7 +131,7 @@ class _Source:
     # per transport
     def room(self) -> int: ...
     def submit(self, job: Job) -> None: ...
-    def _receive(self, deadline: float) -> list[Group]: ...
+    def _receive(self, deadline: float, need: int) -> list[Group]: ...
     def _confirm(self, records: Sequence[RolloutRecord]) -> None: ...
     def generate_now(self, prompt_ids: Sequence[int], n: int) -> Group: ...
     def close(self) -> None: ...
@@ -187,7 +190,8 @@ class QueueSource(_Source):
         self.jobs[job.job_id] = job
         self.stats.submitted += 1
 
-    def _receive(self, deadline: float) -> list[Group]:
+    def _receive(self, deadline: float, need: int) -> list[Group]:
+        """Whole groups adding up to at least `need` records (a queue batch holds ≥ need)."""
         while True:
             failed = self.queue.stats.failed_jobs
             if failed > self._failed_seen:
@@ -203,7 +207,10 @@ class QueueSource(_Source):
                     f"{self.queue.in_flight} rollouts in flight)"
                 )
             try:  # short waits, so a rejected job is reported promptly instead of at the deadline
-                return _groups(self.queue.next_batch(self.batch_size, timeout=min(remaining, 2.0)))
+                batch = self.queue.next_batch(
+                    self.batch_size, timeout=min(remaining, 2.0), at_least=min(need, self.batch_size)
+                )
+                return _groups(batch)
             except QueueTimeout:
                 continue
 
@@ -288,7 +295,8 @@ class GrpcSource(_Source):
         self._in_flight += job.n
         self.stats.submitted += 1
 
-    def _receive(self, deadline: float) -> list[Group]:
+    def _receive(self, deadline: float, need: int) -> list[Group]:
+        """The oldest submitted job's group (one group per call, whatever `need` is)."""
         if not self._futures:
             raise GenerationError("nothing was submitted: no rollouts can arrive")
         fut = self._futures.popleft()

@@ -144,14 +144,19 @@ class Cluster:
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
+        interrupted = False
         for p in self.procs:
             try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
+                p.wait(0 if interrupted else 20)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
+                # A second Ctrl-C / SIGTERM while replicas drain must not orphan them: kill the rest now.
+                interrupted = interrupted or isinstance(e, KeyboardInterrupt)
                 p.kill()
                 p.wait()
         if self.redis is not None:
             self.redis.close()
+        if interrupted:
+            raise KeyboardInterrupt
 
 
 # ---- the trainer loop -------------------------------------------------------------------------------

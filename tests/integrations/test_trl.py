@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
+import redis
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig
 
-from maskroll.client import SyncRolloutClient
+from maskroll.client import SamplingOptions, SyncRolloutClient
+from maskroll.client.streams import StreamKeys
+from maskroll.integrations.rollouts import Job, QueueSource
 from maskroll.integrations.trl import (
     LOSS_TYPES,
     MaskrollConfig,
@@ -292,3 +296,39 @@ def test_trl_advantages_by_hand():
     assert zero.tolist() == [False, False, True, True]
     adv, _, _ = trl_advantages(r, torch.ones(1), 2, "none", "sum_then_normalize")
     assert adv.tolist() == [0.5, -0.5, 0.0, 0.0]
+
+
+def test_queue_source_completes_a_batch_when_fewer_jobs_than_a_batch_are_in_flight(cluster):
+    """The demo's last-step hang: a trainer holding part of its batch (a group left over from a read
+    that brought more than it needed) asks the queue only for what is missing — here one group, when a
+    whole batch is two — and gets it, instead of waiting for a batch no job in flight can fill."""
+    opts = SamplingOptions(max_tokens=4, logprobs_k=cluster.logprobs_k)
+    source = QueueSource(
+        cluster.redis_url, cluster.namespace, batch_size=2 * G, max_staleness=0, options=opts, timeout=60
+    )
+    raw = redis.Redis.from_url(cluster.redis_url)
+    try:
+        # The replicas keep the version the tests before this one left them at: train "at" that one.
+        version = max(_replica_versions(cluster).values())
+        source.queue.set_policy_version(version)
+        first, second, third = (Job([5 + i, 6, 7], list(range(G))) for i in range(3))
+        source.submit(first)
+        source.submit(second)
+        deadline = time.monotonic() + 60
+        while raw.xlen(StreamKeys(cluster.namespace).rollouts) < 2 * G:  # both groups published ...
+            assert time.monotonic() < deadline, "the replicas did not run the two jobs within 60 s"
+            time.sleep(0.1)
+        (group, job), *more = source.take(G, version)  # ... so one read brings both: one stays held
+        assert not more and len(group) == G
+        source.done([group])
+        source.submit(third)  # two groups in flight now, one of them already read
+        t0 = time.monotonic()
+        taken = source.take(2 * G, version)
+        assert time.monotonic() - t0 < 30  # before the fix: the queue waited for a second new group
+        assert {j.job_id for _, j in taken} == {first.job_id, second.job_id, third.job_id} - {job.job_id}
+        source.done([g for g, _ in taken])
+        assert source.queue.in_flight == 0 and source.stats.taken == 3
+        assert source.queue.max_in_flight == 2 * G  # asking for less did not shrink the admission limit
+    finally:
+        source.close()
+        raw.close()
