@@ -113,6 +113,9 @@ class RolloutRecord:
     `topk_ids` / `topk_logprobs` [T, K] sorted by rank. `semantics` says how to read them (temperature,
     top_p, top_k, K, engine, model). Versions: the policy version at the first and last token and
     `version_changes` [(token_index, version)] where an UpdateWeights landed mid-generation.
+
+    A record read from Redis (wire.decode_record: every record a RolloutQueue hands out) holds its
+    [T, K] top-K arrays as read-only views of its payload, not copies: copy one before writing into it.
     """
 
     rollout_id: str
@@ -226,12 +229,15 @@ class RolloutRecord:
             if self.loss_mask is not None and np.shape(self.loss_mask) != (self.num_tokens,):
                 out.append(f"loss_mask has shape {np.shape(self.loss_mask)}, expected ({self.num_tokens},)")
                 return out
-            if self.sampled_ranks[self.generated].min(initial=1) < 1:  # 0 where nothing was sampled
+            # One reduction per check and no temporary arrays: this runs on every record a trainer reads.
+            # min / max propagate NaN, and NaN fails every comparison, so `not lo > x` also catches NaN.
+            ranks = self.sampled_ranks if self.loss_mask is None else self.sampled_ranks[self.generated]
+            if ranks.min(initial=1) < 1:  # 0 where nothing was sampled
                 out.append("sampled_ranks holds a rank < 1 (ranks are 1-based)")
             lp = self.sampled_logprobs
-            if not np.isfinite(lp).all() or lp.max() > LOGPROB_SLACK:
+            if not (lp.min() > -np.inf and lp.max() <= LOGPROB_SLACK):
                 out.append("sampled_logprobs holds a NaN, an infinity or a positive value")
-            if k and (np.isnan(self.topk_logprobs).any() or self.topk_logprobs.max() > LOGPROB_SLACK):
+            if k and not self.topk_logprobs.max() <= LOGPROB_SLACK:
                 out.append("topk_logprobs holds a NaN or a positive value")
             if k and self.topk_ids.min() < 0:
                 out.append("topk_ids holds a negative token id")

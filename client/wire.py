@@ -6,6 +6,7 @@ foreign payload raises `WireError` instead of producing a record a trainer could
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -201,16 +202,63 @@ def record_to_pb(r: RolloutRecord, *, arrays: bool = True) -> pb.RolloutRecord:
         msg.segment_starts.extend(r.segment_starts)
         msg.num_turns = r.num_turns
     if arrays:
-        # A multi-turn record's logprobs exist only where the model sampled: only those travel.
-        gen = np.asarray(r.loss_mask, bool) if multi_turn else slice(None)
-        msg.completion_token_ids = pack(r.completion_ids, _I32)
-        msg.sampled_logprobs = pack(r.sampled_logprobs[gen], _F32)
-        msg.sampled_ranks = pack(r.sampled_ranks[gen], _I32)
-        msg.topk_ids = pack(r.topk_ids[gen], _I32)
-        msg.topk_logprobs = pack(r.topk_logprobs[gen], _F32)
-        if multi_turn:
-            msg.loss_mask = pack(r.loss_mask, _U8)
+        for name, _, a in _record_arrays(r):
+            setattr(msg, name, a.tobytes())
     return msg
+
+
+# RolloutRecord's array fields: (field name, field number, dtype), in the order encode_record appends them.
+_RECORD_ARRAYS = (
+    ("completion_token_ids", 9, _I32),
+    ("sampled_logprobs", 10, _F32),
+    ("sampled_ranks", 11, _I32),
+    ("topk_ids", 12, _I32),
+    ("topk_logprobs", 13, _F32),
+    ("loss_mask", 24, _U8),
+)
+# The ones decode_record takes out of the payload itself (fields 9-13, [T] and [T, K]); the small loss
+# mask stays with the header, which protobuf parses.
+_BIG_ARRAYS = {number: name for name, number, _ in _RECORD_ARRAYS[:5]}
+
+
+def _record_arrays(r: RolloutRecord) -> list[tuple[str, int, np.ndarray]]:
+    """The record's array fields as contiguous little-endian arrays (no copy when they already are).
+    A multi-turn record's logprobs exist only where the model sampled: only those travel."""
+    multi_turn = r.loss_mask is not None
+    gen = np.asarray(r.loss_mask, bool) if multi_turn else slice(None)
+    values = (r.completion_ids, r.sampled_logprobs[gen], r.sampled_ranks[gen], r.topk_ids[gen])
+    values += (r.topk_logprobs[gen], r.loss_mask)
+    return [
+        (name, number, np.ascontiguousarray(a, dtype=dtype))
+        for (name, number, dtype), a in zip(_RECORD_ARRAYS, values, strict=True)
+        if a is not None
+    ]
+
+
+def _varint(n: int, pad: int = 0) -> bytes:
+    """`n` as a protobuf varint, `pad` bytes longer than it need be (0x80 continuation bytes, then 0x00:
+    the same value to every protobuf parser)."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    if pad:
+        out += bytes((n | 0x80,)) + b"\x80" * (pad - 1) + b"\x00"
+    else:
+        out.append(n)
+    return bytes(out)
+
+
+@functools.lru_cache(maxsize=1024)  # records of one length share their heads: ~0.2 µs instead of ~1.4
+def _field_head(number: int, size: int, at: int) -> bytes:
+    """The tag and length varint of a length-delimited field that starts at byte `at` (mod 4) of the
+    payload, padded (each varint at most 5 bytes) so that its contents start at a multiple of 4:
+    decode_record's np.frombuffer views of int32 / float32 arrays are then aligned (numpy runs unaligned
+    ones about 2× slower)."""
+    tag, length = _varint((number << 3) | 2), _varint(size)
+    pad = -(at + len(tag) + len(length)) % 4
+    in_length = min(pad, 5 - len(length))
+    return _varint((number << 3) | 2, pad - in_length) + _varint(size, in_length)
 
 
 def _loss_mask(m: pb.RolloutRecord, t: int) -> np.ndarray | None:
@@ -228,18 +276,37 @@ def _loss_mask(m: pb.RolloutRecord, t: int) -> np.ndarray | None:
     return mask.astype(bool)
 
 
-def _scatter(data: bytes, dtype: np.dtype, t: int, mask: np.ndarray | None, tail: tuple, what: str):
-    """A logprob array [T, *tail] from its bytes: all T rows, or (multi-turn) the rows where `mask` is
-    set, zero elsewhere."""
+def _scatter(
+    data: bytes, dtype: np.dtype, t: int, mask: np.ndarray | None, tail: tuple, what: str, read=unpack
+):
+    """A logprob array [T, *tail] from its bytes (read by `read`: unpack or _view): all T rows, or
+    (multi-turn) the rows where `mask` is set, zero elsewhere."""
     if mask is None:
-        return unpack(data, dtype, (t, *tail), what)
+        return read(data, dtype, (t, *tail), what)
     out = np.zeros((mask.size, *tail), dtype.newbyteorder("="))
-    out[mask] = unpack(data, dtype, (int(mask.sum()), *tail), what)
+    out[mask] = read(data, dtype, (int(mask.sum()), *tail), what)
     return out
+
+
+def _view(data: bytes | memoryview, dtype: np.dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """unpack without the copy: a read-only view of `data` (on a little-endian host; a big-endian one
+    gets a native copy)."""
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise WireError(f"{what}: {len(data)} bytes, expected {expected} for shape {shape}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="), copy=False)
 
 
 def record_from_pb(m: pb.RolloutRecord, *, arrays: bool = True) -> RolloutRecord:
     """Decode and validate. With arrays=False the arrays are left empty (a stream's record header)."""
+    return _record_from(m, arrays, {name: getattr(m, name) for name in _BIG_ARRAYS.values()})
+
+
+def _record_from(m: pb.RolloutRecord, arrays: bool, blobs: dict, views: bool = False) -> RolloutRecord:
+    """record_from_pb, with the bytes of the array fields 9-13 taken from `blobs` (field name → bytes or
+    memoryview; a missing name is an empty field) rather than from `m`. views: the [T, K] top-K arrays
+    are read-only views of those bytes rather than copies."""
+    big = _view if views else unpack
     if m.schema_version not in (SCHEMA_VERSION, MULTI_TURN_SCHEMA_VERSION):
         raise WireError(
             f"schema_version {m.schema_version}; this client reads {SCHEMA_VERSION} (single-turn) and "
@@ -261,11 +328,11 @@ def record_from_pb(m: pb.RolloutRecord, *, arrays: bool = True) -> RolloutRecord
         rollout_id=m.rollout_id,
         request_id=m.request_id,
         prompt_ids=prompt,
-        completion_ids=unpack(m.completion_token_ids, _I32, (n,), "completion_token_ids"),
-        sampled_logprobs=_scatter(m.sampled_logprobs, _F32, n, mask, (), "sampled_logprobs"),
-        sampled_ranks=_scatter(m.sampled_ranks, _I32, n, mask, (), "sampled_ranks"),
-        topk_ids=_scatter(m.topk_ids, _I32, n, mask, (k,), "topk_ids"),
-        topk_logprobs=_scatter(m.topk_logprobs, _F32, n, mask, (k,), "topk_logprobs"),
+        completion_ids=unpack(blobs.get("completion_token_ids", b""), _I32, (n,), "completion_token_ids"),
+        sampled_logprobs=_scatter(blobs.get("sampled_logprobs", b""), _F32, n, mask, (), "sampled_logprobs"),
+        sampled_ranks=_scatter(blobs.get("sampled_ranks", b""), _I32, n, mask, (), "sampled_ranks"),
+        topk_ids=_scatter(blobs.get("topk_ids", b""), _I32, n, mask, (k,), "topk_ids", big),
+        topk_logprobs=_scatter(blobs.get("topk_logprobs", b""), _F32, n, mask, (k,), "topk_logprobs", big),
         finish_reason=FINISH_FROM_PB[m.finish_reason],
         semantics=semantics_from_pb(m.semantics),
         policy_version_first=m.policy_version_first,
@@ -288,19 +355,98 @@ def record_from_pb(m: pb.RolloutRecord, *, arrays: bool = True) -> RolloutRecord
 
 
 def encode_record(r: RolloutRecord) -> bytes:
-    """A record as stored in Redis: the same protobuf message as on the gRPC stream."""
-    return record_to_pb(r).SerializeToString()
+    """A record as stored in Redis: the same protobuf message as on the gRPC stream (record_to_pb).
+
+    Protobuf serialises the header (every field but the arrays); the array fields follow it, each copied
+    once, straight from its numpy array into the payload. A parser reads fields in any order, so this
+    is the same message as record_to_pb(r).SerializeToString(), with the arrays last — without the two
+    intermediate copies (tobytes, then protobuf's own) and the temporary buffers that made a replica
+    page-fault every payload back in after each publish (docs/benchmarks.md, Queue)."""
+    parts: list = [record_to_pb(r, arrays=False).SerializeToString()]
+    at = len(parts[0])
+    for _, number, a in _record_arrays(r):
+        if a.size:  # proto3 leaves empty bytes fields out; so does this
+            head = _field_head(number, a.nbytes, at % 4)
+            parts += (head, a)
+            at += len(head) + a.nbytes
+    return b"".join(parts)
 
 
 def decode_record(data: bytes) -> RolloutRecord:
     """A record from Redis bytes; any payload that is not a valid record raises WireError, nothing else
-    (tests/test_wire.py fuzzes this with random and mutated payloads)."""
+    (tests/test_wire.py fuzzes this with random and mutated payloads).
+
+    Protobuf parses only the header: the array fields are found by one scan of the payload's top-level
+    fields (_split_arrays). The [T, K] top-K arrays (nine tenths of a payload at K = 20) are read-only
+    views of `data`, aligned when encode_record wrote it; the [T] arrays are copied out, so keeping one
+    of them does not keep the payload. A whole-message parse copied every array three times (into the
+    message, out to bytes, into the arrays): at 1024 tokens that was ~45 µs of a trainer's ~300 µs per
+    record read from the queue (docs/benchmarks.md, Queue)."""
+    if not isinstance(data, bytes):
+        data = bytes(data)  # views of a buffer the caller may still change would change the record
+    split = _split_arrays(data)
     msg = pb.RolloutRecord()
     try:
-        msg.ParseFromString(data)
+        msg.ParseFromString(data if split is None else split[0])
     except Exception as e:  # protobuf raises DecodeError or RuntimeWarning-ish errors by backend
         raise WireError(f"not a RolloutRecord: {e}") from e
-    return record_from_pb(msg)
+    if split is None:
+        return record_from_pb(msg)
+    return _record_from(msg, True, split[1], views=True)
+
+
+def _split_arrays(data: bytes) -> tuple[bytes, dict[str, memoryview]] | None:
+    """A RolloutRecord payload split into its header (every top-level field but 9-13, in order, for
+    protobuf to parse) and views of the array fields' bytes (the last one of each number, as protobuf
+    keeps). None when the payload is not a plain run of fields (a group, a bad wire type, a field that
+    overruns the end): protobuf then parses all of it and says what is wrong."""
+    view, n, pos = memoryview(data), len(data), 0
+    header: list[memoryview] = []  # the stretches between array fields
+    arrays: dict[str, memoryview] = {}
+    start = 0  # of the current stretch
+    try:
+        while pos < n:
+            field_start = pos
+            tag, pos = _scan_varint(data, pos)
+            kind = tag & 7
+            if kind == 2:  # length-delimited
+                size, pos = _scan_varint(data, pos)
+                end = pos + size
+                if end > n:
+                    return None
+                name = _BIG_ARRAYS.get(tag >> 3)
+                if name is not None:
+                    arrays[name] = view[pos:end]
+                    header.append(view[start:field_start])
+                    start = end
+                pos = end
+            elif kind == 0:
+                _, pos = _scan_varint(data, pos)
+            elif kind in (1, 5):  # fixed 64 / 32 bits
+                pos += 8 if kind == 1 else 4
+            else:
+                return None
+    except IndexError:  # a varint that runs off the end
+        return None
+    if pos != n:
+        return None
+    header.append(view[start:n])
+    return b"".join(header), arrays
+
+
+def _scan_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """(value, position after it) of the varint at data[pos]; IndexError if it runs off the end."""
+    byte = data[pos]
+    if byte < 0x80:
+        return byte, pos + 1
+    value, shift = byte & 0x7F, 7
+    while True:
+        pos += 1
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos + 1
+        shift += 7
 
 
 # ---- chunks ---------------------------------------------------------------------------------------
@@ -405,8 +551,14 @@ def manifest_to_pb(m: WeightsManifest) -> pb.WeightsPushChunk:
     )
 
 
-def manifest_from_pb(m: pb.WeightsPushChunk) -> WeightsManifest:
-    """The manifest a push starts with; ValueError if the first message is not one."""
+def manifest_from_pb(m: pb.WeightsPushChunk | bytes) -> WeightsManifest:
+    """The manifest a push starts with (a message, or its serialized bytes: the replica's PushWeights
+    handler takes raw bytes, `push_chunk_from_pb`); ValueError if the first message is not one."""
+    if isinstance(m, bytes):
+        try:
+            m = pb.WeightsPushChunk.FromString(m)
+        except Exception as e:  # protobuf's DecodeError
+            raise ValueError(f"the first PushWeights message is not a WeightsPushChunk: {e}") from e
     if m.WhichOneof("part") != "manifest":
         raise ValueError("a PushWeights call must start with its manifest, got a data chunk first")
     mf = m.manifest
@@ -419,8 +571,98 @@ def push_chunk_to_pb(index: int, offset: int, data: bytes | memoryview) -> pb.We
     return pb.WeightsPushChunk(data=pb.TensorChunk(index=index, offset=offset, data=bytes(data)))
 
 
-def push_chunk_from_pb(m: pb.WeightsPushChunk) -> tuple[int, int, bytes]:
-    """(tensor index, byte offset, bytes); ValueError for a second manifest."""
+def _push_varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def push_chunk_bytes(index: int, offset: int, data: bytes | memoryview) -> bytes:
+    """`push_chunk_to_pb(index, offset, data).SerializeToString()`, built with one copy of `data` (a
+    view of the trainer's tensor) instead of three (bytes(), the message, its serialization): the
+    trainer's CPU time per pushed byte, per replica (bench/weights.py). The PushWeights caller sends it
+    with no request serializer (`PUSH_WEIGHTS_METHOD`)."""
+    n = memoryview(data).nbytes
+    inner = b""
+    if index:  # proto3 leaves zero scalars out, as SerializeToString does
+        inner += b"\x08" + _push_varint(index)  # TensorChunk.index = 1, varint
+    if offset:
+        inner += b"\x10" + _push_varint(offset)  # TensorChunk.offset = 2, varint
+    inner += b"\x1a" + _push_varint(n)  # TensorChunk.data = 3, length-delimited
+    # WeightsPushChunk.data = 2, length-delimited
+    return b"".join((b"\x12", _push_varint(len(inner) + n), inner, data))
+
+
+_PUSH = pb.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name["PushWeights"]
+PUSH_WEIGHTS_METHOD = f"/{_PUSH.containing_service.full_name}/{_PUSH.name}"
+
+
+def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise ValueError("a PushWeights message is truncated or malformed (a varint runs past its end)")
+        b = buf[i]
+        value |= (b & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if b < 0x80:
+            return value, i
+
+
+def _fields(buf: memoryview):
+    """(field number, wire type, value) of a serialized message: an int for varints, a memoryview slice
+    (no copy) for length-delimited fields; fixed-width fields are skipped."""
+    i = 0
+    while i < len(buf):
+        key, i = _read_varint(buf, i)
+        number, kind = key >> 3, key & 7
+        if kind == 0:
+            value, i = _read_varint(buf, i)
+        elif kind == 2:
+            n, i = _read_varint(buf, i)
+            if i + n > len(buf):
+                raise ValueError(f"a PushWeights message is truncated: field {number} needs {n} bytes")
+            value, i = buf[i : i + n], i + n
+        elif kind in (1, 5):
+            value, i = None, i + (8 if kind == 1 else 4)
+        else:
+            raise ValueError(f"a PushWeights message is malformed (wire type {kind} of field {number})")
+        yield number, kind, value
+    if i != len(buf):
+        raise ValueError("a PushWeights message is truncated (a fixed-width field runs past its end)")
+
+
+def _chunk_from_bytes(raw: bytes) -> tuple[int, int, memoryview]:
+    # WeightsPushChunk {manifest = 1, data = 2}; TensorChunk {index = 1, offset = 2, data = 3}. Later
+    # occurrences of a field win, as in protobuf's own parser (an embedded message merges).
+    index = offset = 0
+    data, part = memoryview(b""), None
+    for number, kind, value in _fields(memoryview(raw)):
+        if number in (1, 2) and kind == 2:
+            part = number
+        if number == 2 and kind == 2:
+            for n, k, v in _fields(value):
+                if k == 0 and n == 1:
+                    index = v
+                elif k == 0 and n == 2:
+                    offset = v
+                elif k == 2 and n == 3:
+                    data = v
+    if part != 2:
+        raise ValueError("a PushWeights call carries one manifest, first; got another one mid-stream")
+    return index, offset, data
+
+
+def push_chunk_from_pb(m: pb.WeightsPushChunk | bytes) -> tuple[int, int, bytes | memoryview]:
+    """(tensor index, byte offset, bytes); ValueError for a second manifest. Given the message's
+    serialized bytes (the replica's PushWeights handler has no request deserializer: server/servicer.py
+    `add_raw_push_handler`), the data is a view into them: protobuf's parse and its field access would
+    copy every pushed byte twice more, over half of a replica's CPU for a push (bench/weights.py)."""
+    if isinstance(m, bytes):
+        return _chunk_from_bytes(m)
     if m.WhichOneof("part") != "data":
         raise ValueError("a PushWeights call carries one manifest, first; got another one mid-stream")
     return m.data.index, m.data.offset, m.data.data

@@ -225,6 +225,114 @@ def test_semantic_checks_name_what_is_wrong() -> None:
         assert any(needle in p for p in problems), (needle, problems)
 
 
+def test_one_bad_value_anywhere_in_an_array_is_caught() -> None:
+    # problems() checks with one min / max per array; NaN must not slip through the comparisons
+    for name, at, value, needle in [
+        ("sampled_logprobs", 3, np.nan, "sampled_logprobs holds a NaN"),
+        ("sampled_logprobs", 0, -np.inf, "sampled_logprobs holds a NaN, an infinity"),
+        ("sampled_logprobs", 4, 0.5, "or a positive value"),
+        ("topk_logprobs", (4, 2), np.nan, "topk_logprobs holds a NaN"),
+        ("topk_logprobs", (0, 0), 0.01, "topk_logprobs holds a NaN or a positive value"),
+        ("sampled_ranks", 2, 0, "sampled_ranks holds a rank < 1"),
+        ("topk_ids", (1, 1), -1, "topk_ids holds a negative token id"),
+    ]:
+        rec = _record()
+        getattr(rec, name)[at] = value
+        assert [p for p in rec.problems() if needle in p], (name, value, rec.problems())
+    rec = _record()
+    rec.topk_logprobs[:, -1] = -np.inf  # a top-K entry of probability 0 is allowed
+    assert rec.problems() == []
+
+
+def _multi_turn_record() -> RolloutRecord:
+    rec = _record()
+    rec.loss_mask = np.array([1, 1, 0, 0, 1], bool)
+    rec.segment_starts, rec.num_turns, rec.schema_version = [2], 2, 2
+    for name in ("sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs"):
+        getattr(rec, name)[2:4] = 0
+    return rec
+
+
+def _reference_decode(data: bytes) -> RolloutRecord:
+    """What decode_record did before it split the arrays out: protobuf parses the whole payload."""
+    msg = pb.RolloutRecord()
+    try:
+        msg.ParseFromString(data)
+    except Exception as e:
+        raise wire.WireError(str(e)) from e
+    return wire.record_from_pb(msg)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    return wire._varint((number << 3) | 2) + wire._varint(len(payload)) + payload
+
+
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_records_are_the_same_protobuf_message_in_every_layout(multi_turn: bool) -> None:
+    rec = _multi_turn_record() if multi_turn else _record()
+    data = wire.encode_record(rec)
+    # encode_record appends the arrays after the header: the same message as a whole-message serialise,
+    # so a reader that parses it with protobuf (an older maskroll) reads the same record
+    assert pb.RolloutRecord.FromString(data) == wire.record_to_pb(rec)
+    arrays = wire.record_to_pb(rec)
+    header = wire.record_to_pb(rec, arrays=False).SerializeToString()
+    fields = [(n, getattr(arrays, name)) for name, n, _ in wire._RECORD_ARRAYS if getattr(arrays, name)]
+    layouts = {
+        "encode_record": data,
+        "protobuf's field order (records written before)": arrays.SerializeToString(),
+        "arrays first, reversed": b"".join(_field(n, v) for n, v in reversed(fields)) + header,
+        "unknown fields of every wire type between them": b"".join(
+            _field(n, v) + b"\xf8\x07\x01" + b"\x85\x08" + b"abcd" + b"\x81\x08" + bytes(8) for n, v in fields
+        )
+        + _field(127, b"future")
+        + header,
+        "an array field twice (the last one counts)": _field(12, b"\x00" * 4) + data,
+    }
+    for layout, payload in layouts.items():
+        back = wire.decode_record(payload)
+        _assert_same(rec, back)
+        _assert_same(_reference_decode(payload), back)
+        for name in ("prompt_ids", "completion_ids", "sampled_logprobs", "sampled_ranks", "loss_mask"):
+            value = getattr(back, name)  # copied out of the payload: keeping one does not keep it
+            assert value is None or (value.flags.writeable and value.flags.owndata), (layout, name)
+        if not multi_turn:  # (a multi-turn record's top-K rows are scattered into fresh arrays)
+            assert not back.topk_ids.flags.writeable and not back.topk_logprobs.flags.owndata, layout
+
+
+def test_top_k_arrays_are_aligned_views_of_the_payload_whatever_the_header_length() -> None:
+    for extra in range(8):  # every header length modulo 4, twice
+        rec = _record(t=9, k=5)
+        rec.rollout_id = "r" * (1 + extra)
+        data = wire.encode_record(rec)
+        back = wire.decode_record(data)
+        _assert_same(rec, back)
+        for a in (back.topk_ids, back.topk_logprobs):
+            assert a.base is not None and not a.flags.writeable and a.flags.aligned, extra
+            assert (a.__array_interface__["data"][0] - np.frombuffer(data, np.uint8).ctypes.data) % 4 == 0
+        with pytest.raises(ValueError, match="read-only"):
+            back.topk_logprobs[0, 0] = 0.0  # a trainer that edits one copies it first
+    # a mutable buffer is copied first: changing it afterwards does not change the record
+    buf = bytearray(wire.encode_record(_record()))
+    back = wire.decode_record(buf)
+    buf[:] = bytes(len(buf))
+    _assert_same(_record(), back)
+    # padded varints are still the smallest field heads that align: 1 to 3 bytes more, each varint <= 5
+    for at in range(4):
+        head = wire._field_head(13, 80_000, at)
+        assert (at + len(head)) % 4 == 0 and len(head) <= 4 + 3
+        assert pb.RolloutRecord.FromString(head + bytes(80_000)).topk_logprobs == bytes(80_000)
+
+
+def test_payloads_the_array_scan_cannot_read_go_to_protobuf() -> None:
+    data = wire.encode_record(_record())
+    group = b"\xfb\x07\xfc\x07"  # field 127 as an (empty, deprecated) group: protobuf keeps it as unknown
+    assert wire._split_arrays(group + data) is None
+    _assert_same(_record(), wire.decode_record(group + data))
+    for bad in (data[:-1], data + b"\x4a", data + b"\x4a\x05ab", data + b"\x07"):
+        with pytest.raises(wire.WireError):
+            wire.decode_record(bad)
+
+
 def _decode_or_refuse(data: bytes) -> None:
     """The contract under fuzzing: a WireError, or a record whose semantic check runs to the end."""
     try:
@@ -255,7 +363,16 @@ def test_fuzz_mutated_record_bytes_decode_or_are_refused(flips, cut) -> None:
     data = bytearray(_VALID)
     for at, byte in flips:
         data[at] = byte
-    _decode_or_refuse(bytes(data[:cut]) if cut % 3 == 0 else bytes(data))
+    data = bytes(data[:cut]) if cut % 3 == 0 else bytes(data)
+    _decode_or_refuse(data)
+    # and whatever the mutation, the array scan reads the payload as protobuf does
+    try:
+        expected = _reference_decode(data)
+    except wire.WireError:
+        with pytest.raises(wire.WireError):
+            wire.decode_record(data)
+    else:
+        _assert_same(expected, wire.decode_record(data))
 
 
 _INT_FIELDS = ["num_tokens", "sample_index", "group_size", "policy_version_first", "policy_version_last"]

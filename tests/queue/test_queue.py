@@ -265,6 +265,36 @@ def test_full_stream_blocks_the_publisher_instead_of_dropping(redis_server, name
     asyncio.run(main())
 
 
+def test_the_publisher_checks_the_backlog_only_past_half_its_bound(redis_server, namespace):
+    # XLEN before a publish is skipped while the length the last transaction returned is under
+    # max_len / 2; each replica can add one job unchecked after the backlog passed half, never more.
+    async def main():
+        r = connect(redis_server.url)
+        stream = StreamKeys(namespace).rollouts
+        pub = RolloutPublisher(r, stream, max_len=8, wait_timeout_s=0.3, poll_s=0.05)
+        admin = redis.Redis.from_url(redis_server.url)
+
+        def xlen_calls() -> int:
+            return admin.info("commandstats").get("cmdstat_xlen", {}).get("calls", 0)
+
+        calls = xlen_calls()
+        for i in range(4):  # lengths 1, 2, 3, 4: only the first publish (nothing seen yet) checks first
+            await pub.publish(scripted_records(_job(f"a{i}", 1, "run")))
+        assert xlen_calls() - calls == 1 + 4  # one check, and one XLEN inside each transaction
+        calls = xlen_calls()
+        await pub.publish(scripted_records(_job("b", 1, "run")))  # 4 seen + 1 > 8 / 2: checks, 5 fits
+        assert xlen_calls() - calls == 2
+        other = RolloutPublisher(r, stream, max_len=8)
+        await other.publish(scripted_records(_job("c", 3, "run")))  # another replica: length 8
+        with pytest.raises(PublishTimeout):  # 5 seen: checks, and 8 + 1 > 8
+            await pub.publish(scripted_records(_job("d", 1, "run")))
+        assert await r.xlen(stream) == 8
+        admin.close()
+        await r.aclose()
+
+    asyncio.run(main())
+
+
 def test_redis_unreachable_gives_a_clear_error_then_recovers(tmp_path):
     srv = LocalRedis(data_dir=tmp_path, appendonly=True).start()
     try:
