@@ -244,6 +244,14 @@ class ServerConfig(BaseSettings):
     run much faster with a share of the cores each than all competing for all of them."""
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=64 * 1024)
     """Largest gRPC message accepted or sent, in bytes; larger requests fail with RESOURCE_EXHAUSTED."""
+    chunk_interval_ms: float = Field(100.0, ge=0, le=60_000)
+    """Streaming (gRPC, HTTP): a sample's new tokens wait at most this long to be sent, gathered into one
+    chunk (a message costs the server far more CPU than a token); its first tokens, its last chunk and a
+    change of policy version go at once. Lower it for interactive streaming; 0 = every engine output its
+    own chunk (about 5x the serving CPU per token). Records and pull mode do not depend on it."""
+    chunk_max_tokens: int = Field(64, ge=1, le=1 << 20)
+    """Streaming: a chunk goes as soon as it holds this many tokens (fewer where K is so large that they
+    would pass half of max_message_bytes); one engine output is never split."""
     weights_root: Path | None = None
     """Directory under which UpdateWeights checkpoints must lie; unset = UpdateWeights is refused."""
     auth_token: SecretStr | None = Field(None, min_length=1)
@@ -263,6 +271,10 @@ class ServerConfig(BaseSettings):
     published to the rollout stream."""
     namespace: str = Field("default", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
     """Queue namespace (one per training run): keys are maskroll:<namespace>:..."""
+    partitions: int = Field(1, ge=1, le=1024)
+    """The namespace's partitions (its prompt and rollout streams, each on its own Redis Cluster slot):
+    jobs are taken from every one in turn. Must match the trainer's RolloutQueue(partitions=...); Redis
+    records the count and a replica given another refuses to pull. 1 keeps the single-Redis key names."""
     pull: bool = False
     """Pull mode: consume prompt jobs from the namespace's prompt stream (needs redis_url)."""
     pull_concurrency: int = Field(16, ge=1, le=4096)

@@ -1,15 +1,19 @@
-"""Fan one request (`pipeline.Generation`) out into n engine streams; merge their outputs in arrival order.
+"""Fan one request (`pipeline.Generation`) out into n engine streams; merge what they produce in order.
 
 Owns the lifetime of the engine streams: leaving `async with FanOut(...)` — normally, by an error, or
 because the client went away and the handler was cancelled — cancels every stream still running and
-waits for it, which aborts the request in the engine (Engine contract). Knows nothing of gRPC or records.
+waits for it, which aborts the request in the engine (Engine contract). Each engine output is handed to
+`on_output(index, output)` in the task that read it; that callback `emit`s what the consumer should see
+(by default the output itself), so a caller that gathers several outputs into one item wakes the
+consumer once per item, not once per output. Knows nothing of gRPC or records.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from .engine import Engine, EngineOutput, EngineRequest
 from .errors import InvalidArgument
@@ -26,6 +30,12 @@ class FanOut:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self.aborted = False
+        # Called in the engine stream's task for each output; it may raise (the request then fails).
+        self.on_output: Callable[[int, EngineOutput], None] = self.emit
+
+    def emit(self, index: int, item: Any) -> None:
+        """Hand `item` of sample `index` to the consumer (`items()`), after everything emitted before."""
+        self._queue.put_nowait((index, item))
 
     async def __aenter__(self) -> FanOut:
         self._tasks = [
@@ -47,7 +57,7 @@ class FanOut:
             async with contextlib.aclosing(self._engine.generate(request)) as stream:
                 async for out in stream:
                     produced = True
-                    self._queue.put_nowait((index, out))
+                    self.on_output(index, out)
         except ValueError as exc:
             # Engines raise ValueError for parameters they cannot serve (vLLM: temperature > 2), and
             # they check before the first token: a refusal of the request, not a server fault.
@@ -60,12 +70,12 @@ class FanOut:
             self._queue.put_nowait((index, _END))
 
     def abort(self) -> None:
-        """Make `outputs()` return at once (drain); the unfinished samples are the caller's to end."""
+        """Make `items()` return at once (drain); the unfinished samples are the caller's to end."""
         self.aborted = True
         self._queue.put_nowait((None, _ABORT))
 
-    async def outputs(self) -> AsyncIterator[tuple[int, EngineOutput | None]]:
-        """(sample index, output) in arrival order; (sample index, None) when that sample's stream ends."""
+    async def items(self) -> AsyncIterator[tuple[int, Any]]:
+        """(sample index, item) in the order emitted; (sample index, None) when that sample's stream ends."""
         live = len(self._requests)
         while live:
             index, item = await self._queue.get()
@@ -77,4 +87,12 @@ class FanOut:
             elif isinstance(item, Exception):
                 raise item
             else:
+                yield index, item
+
+    def leftover(self) -> Iterator[tuple[int, Any]]:
+        """After an abort and the end of `async with`: the items emitted that `items()` did not reach
+        (the callback may already have counted them as sent, so they must not be lost)."""
+        while not self._queue.empty():
+            index, item = self._queue.get_nowait()
+            if item is not _ABORT and item is not _END and not isinstance(item, Exception):
                 yield index, item

@@ -31,9 +31,13 @@ def fake_model_dir(tmp_path):
     return tmp_path
 
 
-def make(fake_model_dir, **engine_kwargs) -> tuple[Pipeline, FakeEngine]:
+def make(fake_model_dir, config: dict | None = None, **engine_kwargs) -> tuple[Pipeline, FakeEngine]:
     engine = FakeEngine(**engine_kwargs)
-    return Pipeline(engine, server_config(fake_model_dir, max_n=4, max_tokens=250)), engine
+    config = server_config(fake_model_dir, max_n=4, max_tokens=250, **(config or {}))
+    return Pipeline(engine, config), engine
+
+
+NO_TIMER = {"chunk_interval_ms": 60_000}  # chunks then go only for the reasons other than time
 
 
 async def collect(gen) -> list:
@@ -42,14 +46,16 @@ async def collect(gen) -> list:
 
 
 def test_chunks_and_records_carry_the_scripted_numbers(fake_model_dir):
-    pipeline, engine = make(fake_model_dir)
+    pipeline, engine = make(fake_model_dir, NO_TIMER)
     opts = SamplingOptions(max_tokens=5, logprobs_k=3, n=2, seed=4, temperature=0.5, top_k=7)
     gen = pipeline.prepare([3, 4], opts, request_id="r", job_id="j", group_id="g", metadata={"m": "1"})
     assert engine.requests == []  # prepared, not started
     chunks = asyncio.run(collect(gen))
     assert sorted(q.request_id for q in engine.requests) == ["r-0", "r-1"]
     assert sorted(q.params.seed for q in engine.requests) == [4, 5]
-    assert len(chunks) == 10  # the fake streams one token per output
+    # The fake streams one token per output: the first goes at once, the other four with the record.
+    layout = sorted((c.sample_index, c.start_index, len(c.token_ids), c.record is not None) for c in chunks)
+    assert layout == [(0, 0, 1, False), (0, 1, 4, True), (1, 0, 1, False), (1, 1, 4, True)]
     records = {c.sample_index: c.record for c in chunks if c.record is not None}
     assembler = RecordAssembler()
     for c in chunks:
@@ -106,7 +112,7 @@ def test_invalid_requests_raise_before_any_engine_call(fake_model_dir, prompt, o
 
 
 def test_abort_mid_stream_ends_every_sample_with_an_abort_record(fake_model_dir):
-    pipeline, engine = make(fake_model_dir, token_delay_s=0.01)
+    pipeline, engine = make(fake_model_dir, NO_TIMER, token_delay_s=0.01)
     gen = pipeline.prepare([1], SamplingOptions(max_tokens=200, n=2, seed=0, logprobs_k=2))
 
     async def main():
@@ -114,7 +120,8 @@ def test_abort_mid_stream_ends_every_sample_with_an_abort_record(fake_model_dir)
         async with contextlib.aclosing(gen.stream()) as stream:
             async for c in stream:
                 chunks.append(c)
-                if len(chunks) == 4:
+                if len(chunks) == 2:  # both first tokens; let the samples hold a few more, then abort
+                    await asyncio.sleep(0.05)
                     gen.abort()
         return chunks
 
@@ -129,8 +136,96 @@ def test_abort_mid_stream_ends_every_sample_with_an_abort_record(fake_model_dir)
             rec.completion_ids, [scripted_token(i, j, 50) for j in range(len(streamed))]
         )
         np.testing.assert_array_equal(rec.completion_ids, streamed)
-        last = [c for c in chunks if c.sample_index == i][-1]
-        assert len(last.token_ids) == 0 and last.topk_ids.shape == (0, 2) and last.policy_version == 0
+        # The tokens held when the abort came go out in the last chunk, with the record.
+        first, last = [c for c in chunks if c.sample_index == i]
+        assert (len(first.token_ids), last.start_index) == (1, 1)
+        assert len(last.token_ids) == rec.num_tokens - 1 > 0 and last.topk_ids.shape == (
+            rec.num_tokens - 1,
+            2,
+        )
+        assert last.policy_version == 0
+
+
+class VersionBumpEngine(FakeEngine):
+    """Loads version 1 right after the third token of a request."""
+
+    async def generate(self, request):
+        made = 0
+        async for out in super().generate(request):
+            yield out
+            made += 1
+            if made == 3:
+                self._version = 1
+
+
+def test_chunks_go_at_once_for_the_first_tokens_a_full_chunk_a_new_version_and_the_end(fake_model_dir):
+    pipeline, _ = make(fake_model_dir, {**NO_TIMER, "chunk_max_tokens": 3})
+    chunks = asyncio.run(collect(pipeline.prepare([1], SamplingOptions(max_tokens=10, seed=3))))
+    assert [(c.start_index, len(c.token_ids), c.record is not None) for c in chunks] == [
+        (0, 1, False),  # the first token, at once
+        (1, 3, False),  # full
+        (4, 3, False),
+        (7, 3, True),  # full and the last
+    ]
+    np.testing.assert_array_equal(
+        np.concatenate([c.token_ids for c in chunks]), [scripted_token(3, j, 50) for j in range(10)]
+    )
+
+    engine = VersionBumpEngine()
+    pipeline = Pipeline(engine, server_config(fake_model_dir, **NO_TIMER))
+    chunks = asyncio.run(collect(pipeline.prepare([1], SamplingOptions(max_tokens=6, seed=3))))
+    # tokens 0-2 under version 0, 3-5 under version 1: a chunk never spans two versions
+    assert [(c.start_index, len(c.token_ids), c.policy_version) for c in chunks] == [
+        (0, 1, 0),
+        (1, 2, 0),
+        (3, 3, 1),
+    ]
+    rec = chunks[-1].record
+    assert (rec.policy_version_first, rec.policy_version_last, rec.version_changes) == (0, 1, [(3, 1)])
+
+
+def test_interval_zero_streams_every_engine_output_as_its_own_chunk(fake_model_dir):
+    pipeline, _ = make(fake_model_dir, {"chunk_interval_ms": 0})
+    chunks = asyncio.run(collect(pipeline.prepare([1], SamplingOptions(max_tokens=6, n=2))))
+    assert sorted((c.sample_index, c.start_index, len(c.token_ids)) for c in chunks) == [
+        (i, j, 1) for i in range(2) for j in range(6)
+    ]
+
+
+def test_held_tokens_wait_at_most_the_interval(fake_model_dir):
+    # A token every 20 ms, a 50 ms bound: a chunk after the first holds tokens that came within 50 ms
+    # of its first one, so at most 3, however late the loop runs (the timer is due before the next
+    # token's own sleep ends).
+    pipeline, _ = make(fake_model_dir, {"chunk_interval_ms": 50}, token_delay_s=0.02)
+    chunks = asyncio.run(collect(pipeline.prepare([1], SamplingOptions(max_tokens=15, seed=1))))
+    sizes = [len(c.token_ids) for c in chunks]
+    assert sum(sizes) == 15 and sizes[0] == 1 and max(sizes[1:]) <= 3, sizes
+    assert len(chunks) < 15  # gathered: 1 + about 15 / 2.5 chunks
+    np.testing.assert_array_equal(
+        chunks[-1].record.completion_ids, np.concatenate([c.token_ids for c in chunks])
+    )
+
+
+def test_records_build_no_chunk(fake_model_dir, monkeypatch):
+    import maskroll.server.records_builder as rb
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a chunk was built for a caller that streams none")
+
+    monkeypatch.setattr(rb, "chunk_for", refuse)
+    pipeline, _ = make(fake_model_dir)
+    records = asyncio.run(pipeline.prepare([1], SamplingOptions(max_tokens=7, n=2, seed=5)).records())
+    assert [r.num_tokens for r in records] == [7, 7]
+    np.testing.assert_array_equal(records[1].completion_ids, [scripted_token(6, j, 50) for j in range(7)])
+
+
+def test_chunks_stay_under_half_the_largest_message():
+    from maskroll.server.pipeline import Coalescing
+
+    rule = Coalescing(0.05, max_tokens=64, message_bytes=1 << 20)
+    # 12 + 8 K bytes a token: K = 20 -> 172 B, 64 tokens fit; K = 4096 -> 32780 B, 15 fit in 512 KiB
+    assert [rule.tokens_per_chunk(k) for k in (0, 20, 4096)] == [64, 64, 15]
+    assert Coalescing(0.05, 64, 64 * 1024).tokens_per_chunk(4096) == 1
 
 
 def test_abort_before_the_stream_starts_gives_empty_abort_records(fake_model_dir):

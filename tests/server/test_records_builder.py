@@ -138,3 +138,48 @@ def test_misshaped_engine_output_is_refused(field, value):
 def test_unknown_finish_reason_is_refused():
     with pytest.raises(RuntimeError, match="finish_reason"):
         check_output(out([1], 0, "eos"), K)
+
+
+def test_held_outputs_go_as_one_chunk_and_the_record_joins_the_chunks():
+    b = SampleBuilder(header(), sample_index=0)
+    b.hold(out([1, 2], 0))
+    b.hold(out([3], 0))
+    assert (b.held_tokens, b.sent_tokens) == (3, 0)
+    first = b.take_chunk()
+    assert (first.start_index, first.policy_version, first.record) == (0, 0, None)
+    np.testing.assert_array_equal(first.token_ids, [1, 2, 3])
+    np.testing.assert_array_equal(first.topk_ids, [[1, 2, 3], [2, 3, 4], [3, 4, 5]])
+    assert first.sampled_ranks.tolist() == [1, 2, 1] and first.topk_logprobs.shape == (3, K)
+    b.hold(out([], 0))  # no tokens: adds nothing to a chunk
+    assert not b.changes_version(out([4, 5], 1))  # nothing held: nothing to split
+    b.hold(out([4, 5], 1))
+    assert b.changes_version(out([6], 2)) and not b.changes_version(out([6], 1))
+    assert not b.changes_version(out([], 2))  # a version without tokens changes nothing
+    last = b.finish("stop", 1, now=5.0)
+    assert (last.start_index, last.policy_version, len(last.token_ids)) == (3, 1, 2)
+    rec = last.record
+    np.testing.assert_array_equal(rec.completion_ids, [1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(rec.sampled_logprobs, np.float32([-0.1, -0.2, -0.3, -0.4, -0.5]))
+    assert (rec.policy_version_first, rec.policy_version_last, rec.version_changes) == (0, 1, [(3, 1)])
+    assert len(b.outputs) == 2  # one merged output per chunk: the record joined two arrays, not five
+    with pytest.raises(RuntimeError, match="finished twice"):
+        b.finish("stop", 1, now=6.0)
+
+
+def test_outputs_given_as_lists_are_checked_and_joined_as_arrays():
+    o = EngineOutput(
+        token_ids=[5, 6],
+        sampled_logprobs=[-0.5, -0.25],
+        sampled_ranks=[1, 2],
+        topk_ids=[[5, 1, 2], [6, 1, 2]],
+        topk_logprobs=[[-0.5, -1, -2], [-0.25, -1, -2]],
+        policy_version=0,
+        finish_reason="length",
+    )
+    check_output(o, K)
+    rec = SampleBuilder(header(), 0).add(o, now=0.0).record
+    assert rec.topk_ids.dtype == np.int32 and rec.topk_ids.shape == (2, K)
+    np.testing.assert_array_equal(rec.sampled_logprobs, np.float32([-0.5, -0.25]))
+    o.topk_ids = [[5, 1], [6, 1]]
+    with pytest.raises(RuntimeError, match=r"topk_ids has shape \(2, 2\), expected \(2, 3\)"):
+        check_output(o, K)

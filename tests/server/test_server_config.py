@@ -57,6 +57,14 @@ def test_flags_override_env_vars_which_override_defaults(model, monkeypatch):
     assert (c.port, c.max_n) == (7000, 3)
 
 
+def test_chunk_gathering_defaults_flags_and_env(model, monkeypatch):
+    c = load_config(["--model", str(model)])
+    assert (c.chunk_interval_ms, c.chunk_max_tokens) == (100.0, 64)
+    monkeypatch.setenv("MASKROLL_CHUNK_INTERVAL_MS", "0")
+    c = load_config(["--model", str(model), "--chunk-max-tokens", "8"])
+    assert (c.chunk_interval_ms, c.chunk_max_tokens) == (0.0, 8)
+
+
 def test_every_field_has_a_flag_with_help():
     parser = build_parser()
     flags = {a.dest: a for a in parser._actions if a.dest != "help"}
@@ -242,6 +250,8 @@ def test_the_torch_engine_takes_what_it_can_honour(model, monkeypatch):
         (["--drain-timeout-s", "-1"], "drain_timeout_s"),
         (["--max-tokens", "lots"], "max_tokens: Input should be a valid integer"),
         (["--auth-token", "a b"], "auth_token must be printable with no spaces"),
+        (["--chunk-interval-ms", "-5"], "chunk_interval_ms: Input should be greater than or equal to 0"),
+        (["--chunk-max-tokens", "0"], "chunk_max_tokens: Input should be greater than or equal to 1"),
     ],
 )
 def test_out_of_bounds_values_name_the_field(model, argv, needle):

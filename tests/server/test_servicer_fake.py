@@ -45,7 +45,7 @@ def fake(server_loop, fake_model_dir):  # noqa: F811
 
 
 def test_n_samples_fan_out_and_reassemble_to_the_record(fake):
-    r, engine = fake()
+    r, engine = fake(config={"chunk_interval_ms": 60_000})  # chunks go for reasons other than time only
     opts = SamplingOptions(max_tokens=6, logprobs_k=4, n=3, seed=10, temperature=0.7, top_p=0.9, top_k=5)
 
     async def main():
@@ -66,6 +66,14 @@ def test_n_samples_fan_out_and_reassemble_to_the_record(fake):
 
     t0 = time.time()
     chunks = asyncio.run(main())
+    # One token per engine output: each sample's first token goes at once, the other five wait for the
+    # last one and go with the record, in one message.
+    layout = sorted(
+        (ch.sample_index, ch.start_index, len(ch.token_ids), ch.record is not None) for ch in chunks
+    )
+    assert layout == [
+        (i, start, t, last) for i in range(3) for start, t, last in ((0, 1, False), (1, 5, True))
+    ]
     assert sorted(req.request_id for req in engine.requests) == ["req-0", "req-1", "req-2"]
     assert sorted(req.params.seed for req in engine.requests) == [10, 11, 12]
     assembler = RecordAssembler()
@@ -136,8 +144,9 @@ def test_version_change_mid_stream_is_recorded_at_its_token_index(fake, tmp_path
         async with RolloutClient(r.address) as c:
             assembler, versions = RecordAssembler(), []
             async for ch in c.generate([1], SamplingOptions(max_tokens=40, logprobs_k=2)):
+                before = len(versions)
                 versions += [ch.policy_version] * len(ch.token_ids)
-                if len(versions) == 5:
+                if before < 5 <= len(versions):  # chunks gather tokens: the one that passes 5
                     await c.update_weights(5, tmp_path / "w" / "v5")
                 rec = assembler.add(ch)
             return rec, versions
