@@ -1,14 +1,17 @@
 """Weight sync end to end: seconds and MB/s to bring N replicas to a new version of a ~500 MB model,
 the directory transport (trainer save + UpdateWeights + replica load) against the stream (PushWeights),
-and each replica's peak RSS during an update against its steady state.
+each replica's peak RSS during an update against its steady state, and the CPU seconds each side spends.
 
 Replicas are `maskroll serve --pull` processes (torch engine, one thread each) on a private Redis, all
 on this machine (loopback); the trainer is this process, publishing a synthetic model's state dict
 (`maskroll init-model --hidden 1024 --layers 7`, float32) through `CheckpointPublisher` (directory:
-`<tmp>/weights`, the replicas' --weights-root) or `StreamPublisher` (4 MiB chunks). One measurement
-is one `publish` call: from the state dict in the trainer's memory to every replica serving the new
-version. MB/s per replica = model MB / seconds; aggregate = N x model MB / seconds. Repetitions
-alternate the transports so background load hits both alike; the medians are reported.
+`<tmp>/weights`, the replicas' --weights-root) or `StreamPublisher` (`--chunk-mib` MiB chunks). One
+measurement is one `publish` call: from the state dict in the trainer's memory to every replica serving
+the new version. MB/s per replica = model MB / seconds; aggregate = N x model MB / seconds. One untimed
+publish per transport comes first (first-touch page faults of a fresh process are not a steady
+state); then repetitions alternate the transports so background load hits both alike; medians and
+minima are reported. CPU seconds (user + system, from /proc/<pid>/stat and getrusage) are what an
+update costs whatever else runs on the machine: on a shared box they are the figures to compare.
 
 RSS: every replica's VmRSS is sampled every 10 ms (/proc/<pid>/status) during the update; the
 steady state is the replica's RSS just before it. Target (issue 13): peak - steady <= model + chunk.
@@ -35,7 +38,20 @@ from pathlib import Path
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
-CHUNK = 4 << 20
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15 of stat)
+
+
+def own_cpu_s() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def rss_mb(pid: int) -> float:
@@ -104,7 +120,7 @@ def start_replicas(
     return procs
 
 
-def measure(n: int, reps: int, model_dir: Path, tmp: Path) -> dict:
+def measure(n: int, reps: int, model_dir: Path, tmp: Path, chunk: int) -> dict:
     from safetensors.torch import load_file
 
     from maskroll.client import RolloutQueue
@@ -124,26 +140,35 @@ def measure(n: int, reps: int, model_dir: Path, tmp: Path) -> dict:
                     time.sleep(0.1)
                 pubs = {
                     "directory": CheckpointPublisher(q, root, keep=1, timeout=600),
-                    "stream": StreamPublisher(q, follow_s=None, timeout=600, chunk_bytes=CHUNK),
+                    "stream": StreamPublisher(q, follow_s=None, timeout=600, chunk_bytes=chunk),
                 }
-                for r in range(reps):
+                for r in range(-1, reps):  # r = -1: the untimed warm-up round
                     for kind in ("directory", "stream") if r % 2 == 0 else ("stream", "directory"):
                         for t in state.values():  # a new version: every byte differs
                             t.add_(1e-3)
+                        cpu0 = [cpu_s(p.pid) for p in procs]
+                        own0 = own_cpu_s()
                         with RssPeak([p.pid for p in procs]) as rss:
                             t0 = time.perf_counter()
                             results = pubs[kind].publish(state)
                             seconds = time.perf_counter() - t0
                         assert set(results.values()) == {"ok"}, results
+                        if r < 0:
+                            continue
                         out[kind].append(
                             {
                                 "seconds": seconds,
                                 "rss_growth_mb": rss.growth(),
                                 "steady_mb": list(rss.steady.values()),
+                                "replica_cpu_s": [cpu_s(p.pid) - c for p, c in zip(procs, cpu0, strict=True)],
+                                "trainer_cpu_s": own_cpu_s() - own0,
                             }
                         )
                         print(
-                            f"  N={n} {kind:9s} {seconds:6.2f} s  RSS +{max(rss.growth()):.0f} MB", flush=True
+                            f"  N={n} {kind:9s} {seconds:6.2f} s  RSS +{max(rss.growth()):.0f} MB  "
+                            f"CPU trainer {out[kind][-1]['trainer_cpu_s']:.2f} s, replicas "
+                            f"{' '.join(f'{c:.2f}' for c in out[kind][-1]['replica_cpu_s'])} s",
+                            flush=True,
                         )
         finally:
             for p in procs:
@@ -153,6 +178,16 @@ def measure(n: int, reps: int, model_dir: Path, tmp: Path) -> dict:
     for kind in ("directory", "stream"):
         s = statistics.median(x["seconds"] for x in out[kind])
         out[f"{kind}_median_s"] = s
+        out[f"{kind}_min_s"] = min(x["seconds"] for x in out[kind])
+        out[f"{kind}_replica_cpu_s"] = statistics.median(c for x in out[kind] for c in x["replica_cpu_s"])
+        out[f"{kind}_trainer_cpu_s"] = statistics.median(x["trainer_cpu_s"] for x in out[kind])
+        out[f"{kind}_steady_mb"] = statistics.median(m for x in out[kind] for m in x["steady_mb"])
+        out[f"{kind}_peak_mb"] = max(
+            m + g for x in out[kind] for m, g in zip(x["steady_mb"], x["rss_growth_mb"], strict=True)
+        )
+        out[f"{kind}_median_rss_growth_mb"] = statistics.median(
+            g for x in out[kind] for g in x["rss_growth_mb"]
+        )
         out[f"{kind}_mb_per_s_per_replica"] = model_mb / s
         out[f"{kind}_mb_per_s_aggregate"] = n * model_mb / s
         out[f"{kind}_max_rss_growth_mb"] = max(max(x["rss_growth_mb"]) for x in out[kind])
@@ -164,19 +199,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 3])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--layers", type=int, default=7)
+    p.add_argument("--chunk-mib", type=float, default=None, help="stream chunk size (default: the SDK's)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    from maskroll.client.tensor_push import DEFAULT_CHUNK_BYTES
     from maskroll.server.model_init import init_model
 
+    chunk = DEFAULT_CHUNK_BYTES if a.chunk_mib is None else int(a.chunk_mib * (1 << 20))
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="maskroll-wbench-") as d:
         tmp = Path(d)
         model_dir = init_model(tmp / "model", hidden=1024, heads=16, layers=a.layers)
-        results = [measure(n, a.reps, model_dir, tmp) for n in a.replicas]
+        results = [measure(n, a.reps, model_dir, tmp, chunk) for n in a.replicas]
     if a.json:
         print(json.dumps(results, indent=2))
-    print(f"model: {results[0]['model_mb']:.0f} MB float32; chunk {CHUNK >> 20} MiB; medians of {a.reps}")
-    print("| replicas | transport | seconds | MB/s per replica | MB/s aggregate | peak RSS growth (MB) |")
-    print("|---|---|---|---|---|---|")
+    print(
+        f"model: {results[0]['model_mb']:.0f} MB float32; chunk {chunk / (1 << 20):g} MiB; {a.reps} reps "
+        f"after a warm-up; {os.cpu_count()} CPUs, load average {load:.1f} -> {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        "| replicas | transport | seconds (median / min) | MB/s per replica | MB/s aggregate "
+        "| CPU s per replica | CPU s trainer | peak RSS growth MB (median / max) "
+        "| replica RSS MB (steady / peak) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for kind in ("directory", "stream"):
             s, per, agg = (
@@ -184,8 +230,13 @@ def main(argv: list[str] | None = None) -> int:
                 r[f"{kind}_mb_per_s_per_replica"],
                 r[f"{kind}_mb_per_s_aggregate"],
             )
-            rss = r[f"{kind}_max_rss_growth_mb"]
-            print(f"| {r['replicas']} | {kind} | {s:.2f} | {per:.0f} | {agg:.0f} | {rss:.0f} |")
+            print(
+                f"| {r['replicas']} | {kind} | {s:.2f} / {r[f'{kind}_min_s']:.2f} | {per:.0f} | {agg:.0f} "
+                f"| {r[f'{kind}_replica_cpu_s']:.2f} | {r[f'{kind}_trainer_cpu_s']:.2f} "
+                f"| {r[f'{kind}_median_rss_growth_mb']:.0f} / {r[f'{kind}_max_rss_growth_mb']:.0f} "
+                f"| {r[f'{kind}_steady_mb']:.0f} / {r[f'{kind}_peak_mb']:.0f} |"
+            )
+    print(f"RSS target: model + chunk = {results[0]['model_mb'] + chunk / 1e6:.0f} MB")
     return 0
 
 

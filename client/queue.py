@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import time
 import uuid
@@ -34,7 +35,7 @@ from ._sync import LoopThread
 from .admission import InFlight, QueueFull, in_flight_limit
 from .batching import Entry, GroupBatcher, RefusalKind, group_key, refusal
 from .records import PromptJob, RolloutRecord, SamplingOptions
-from .redis_conn import QueueUnavailable, call, connect
+from .redis_conn import QueueUnavailable, call, open_redis, transaction
 from .replicas import BroadcastError, ReplicaInfo, ReplicaWeights, live_replicas, replica_weights
 from .replicas import broadcast_weights as _broadcast_weights
 from .replicas import push_weights as _push_weights
@@ -46,8 +47,10 @@ from .streams import (
     F_RECORD,
     REPLICA_GROUP,
     TRAINER_GROUP,
+    PartitionKeys,
     StreamKeys,
     ack_and_delete,
+    check_layout,
     dead_letter,
     delete_undelivered,
     ensure_group,
@@ -74,6 +77,10 @@ log = logging.getLogger("maskroll.queue")
 
 StalePolicy = Literal["drop", "keep"]
 T = TypeVar("T")
+
+# With several partitions, a read that found nothing on any of them waits on one (each in turn) this
+# long at most, so a record arriving on another waits no longer than this to be read.
+SWEEP_BLOCK_MS = 50
 
 
 class QueueTimeout(TimeoutError):
@@ -125,7 +132,11 @@ class AsyncRolloutQueue:
     group_timeout_s: a group still missing samples this long after its first record arrived (with
     nothing more to read) is dead-lettered. done_ttl_s: how long acked rollout ids are remembered in
     Redis to catch late duplicates. token, tls, root_certs: how the replicas' gRPC is reached (weights).
-    retries: Redis retry attempts before QueueUnavailable (see redis_conn.connect).
+    retries: Redis retry attempts before QueueUnavailable (see redis_conn.connect). partitions: the
+    namespace's partition count (StreamKeys; the replicas must be started with the same
+    `--partitions`, which Redis records and checks): jobs are spread over the partitions in turn and
+    every partition is read in turn. A `redis://` URL of any node of a Redis Cluster works: cluster mode
+    is detected when the queue opens (docs/scaling.md "Redis Cluster").
     """
 
     def __init__(
@@ -145,6 +156,7 @@ class AsyncRolloutQueue:
         tls: bool = False,
         root_certs: bytes | None = None,
         retries: int = 10,
+        partitions: int = 1,
     ) -> None:
         if stale_policy not in ("drop", "keep"):
             raise ValueError(f"stale_policy={stale_policy!r}; expected 'drop' or 'keep'")
@@ -155,7 +167,7 @@ class AsyncRolloutQueue:
         if not group_timeout_s > 0:
             raise ValueError(f"group_timeout_s={group_timeout_s}; expected > 0")
         self.url = url
-        self.keys = StreamKeys(namespace)
+        self.keys = StreamKeys(namespace, partitions)  # cluster=True once open() has detected one
         self.consumer = consumer or _default_consumer()
         self.batch_size = batch_size
         self.max_staleness = max_staleness
@@ -167,7 +179,10 @@ class AsyncRolloutQueue:
         self._tls = {"tls": tls, "root_certs": root_certs}
         self.policy_version = 0
         self.stats = QueueStats()
-        self._r = connect(url, retries=retries)
+        self._retries = retries
+        self._r = None  # the Redis or RedisCluster client, made by _connect()
+        self._turn = random.randrange(partitions)  # the partition the next read starts with
+        self._submit_turn = random.randrange(partitions)  # the partition of the next job
         self._run_mode = run
         self._run: RunInfo | None = None
         self._old_runs: set[str] = set()  # run ids confirmed not to be the namespace's current run
@@ -176,7 +191,7 @@ class AsyncRolloutQueue:
         self._next_claim = 0.0
         self._flight = InFlight()
         self._batcher = GroupBatcher()
-        self._job_entries: dict[str, bytes] = {}  # job_id -> its prompt-stream entry, while in flight
+        self._job_entries: dict[str, tuple[int, bytes]] = {}  # job_id -> (partition, prompt entry)
         self._refused: Counter[str] = Counter()  # records refused, by kind (for logs and timeouts)
         self._reported: Counter[str] = Counter()  # what _report_refused has logged of it
 
@@ -185,16 +200,21 @@ class AsyncRolloutQueue:
     async def open(self) -> AsyncRolloutQueue:
         """Create the consumer groups and take up the run (new or resumed); `async with` and the first
         call do this too. Raises RunChoiceRequired / RunNotFound (see the class docstring)."""
+        await self._connect()
         if not self._ready_groups:
-            await self._call(ensure_group(self._r, self.keys.rollouts, TRAINER_GROUP))
-            await self._call(ensure_group(self._r, self.keys.prompts, REPLICA_GROUP))
+            await self._call(check_layout(self._r, self.keys))
+            for part in self.keys.parts:
+                await self._call(ensure_group(self._r, part.rollouts, TRAINER_GROUP))
+                await self._call(ensure_group(self._r, part.prompts, REPLICA_GROUP))
             self._ready_groups = True
         if self._run is None:
             run, new = await self._call(open_run(self._r, self.keys, self._run_mode, self.consumer))
             self._run, self.policy_version = run, run.version
             if new:
                 # Jobs no replica has started belong to older runs: their records would only be refused.
-                cancelled = await self._call(delete_undelivered(self._r, self.keys.prompts, REPLICA_GROUP))
+                cancelled = []
+                for part in self.keys.parts:
+                    cancelled += await self._call(delete_undelivered(self._r, part.prompts, REPLICA_GROUP))
                 self.stats.cancelled_jobs += len(cancelled)
                 log.info(
                     "namespace %r: started run %s (%d unstarted jobs of earlier runs cancelled)",
@@ -205,6 +225,37 @@ class AsyncRolloutQueue:
             else:
                 log.info("namespace %r: resuming %s", self.keys.namespace, run.describe())
         return self
+
+    async def _connect(self) -> None:
+        """Connect once, detecting a Redis Cluster (its keys then carry hash tags even with one partition)."""
+        if self._r is None:
+            self._r, cluster = await open_redis(self.url, retries=self._retries)
+            self.keys = StreamKeys(self.keys.namespace, self.keys.partitions, cluster)
+
+    def _rotation(self) -> list[PartitionKeys]:
+        """The partitions, starting with the next one in turn (so that none is always read last)."""
+        parts = self.keys.parts
+        self._turn = (self._turn + 1) % len(parts)
+        return [*parts[self._turn :], *parts[: self._turn]]
+
+    def _entry(self, part: int, entry_id: bytes) -> bytes:
+        """The handle of a rollout-stream entry kept while it is unacked: its id, prefixed with its
+        partition when there are several (entry ids are per stream and may repeat across partitions)."""
+        return entry_id if self.keys.partitions == 1 else b"%d/%s" % (part, entry_id)
+
+    def _split(self, handle: bytes) -> tuple[PartitionKeys, bytes]:
+        """(partition keys, stream entry id) of an `_entry` handle."""
+        if self.keys.partitions == 1:
+            return self.keys.part(0), handle
+        part, _, entry_id = handle.partition(b"/")
+        return self.keys.part(int(part)), entry_id
+
+    def _by_partition(self, handles: Iterable[bytes]) -> dict[PartitionKeys, list[bytes]]:
+        out: dict[PartitionKeys, list[bytes]] = {}
+        for handle in handles:
+            part, entry_id = self._split(handle)
+            out.setdefault(part, []).append(entry_id)
+        return out
 
     @property
     def run(self) -> RunInfo:
@@ -224,15 +275,17 @@ class AsyncRolloutQueue:
         if not self._job_entries:
             return 0
         by_entry = {entry: job for job, entry in self._job_entries.items()}
-        deleted = await self._call(
-            delete_undelivered(self._r, self.keys.prompts, REPLICA_GROUP, list(by_entry))
-        )
-        for entry in deleted:
-            job = by_entry[entry]
-            await self._consumed(job, self._flight.expected(job))
-            self._job_entries.pop(job, None)
-        self.stats.cancelled_jobs += len(deleted)
-        return len(deleted)
+        deleted = 0
+        for p in sorted({p for p, _ in by_entry}):
+            ids = [entry_id for q, entry_id in by_entry if q == p]
+            prompts = self.keys.part(p).prompts
+            for entry_id in await self._call(delete_undelivered(self._r, prompts, REPLICA_GROUP, ids)):
+                job = by_entry[(p, entry_id)]
+                await self._consumed(job, self._flight.expected(job))
+                self._job_entries.pop(job, None)
+                deleted += 1
+        self.stats.cancelled_jobs += deleted
+        return deleted
 
     async def close(self, cancel_jobs: bool = False) -> None:
         """Close the Redis connection; unacked records stay pending for this consumer name.
@@ -241,7 +294,8 @@ class AsyncRolloutQueue:
             if cancel_jobs and self._run is not None:
                 await self.cancel_pending_jobs()
         finally:
-            await self._r.aclose()
+            if self._r is not None:
+                await self._r.aclose()
 
     async def __aenter__(self) -> AsyncRolloutQueue:
         return await self.open()
@@ -283,7 +337,8 @@ class AsyncRolloutQueue:
         """Queue one prompt for `n` samples (default options.n); returns the job id. Blocks while the
         in-flight limit is reached; raises QueueFull after `timeout` seconds (None: wait forever).
         group_id, metadata: carried into every record. rollout_stream: publish the records there
-        instead of this namespace's rollout stream. The job carries this queue's run id."""
+        instead of this namespace's rollout stream. The job carries this queue's run id. With several
+        partitions, each job goes to the next partition in turn."""
         options = options or SamplingOptions()
         if n is not None:
             options = replace(options, n=n)
@@ -310,12 +365,14 @@ class AsyncRolloutQueue:
             rollout_stream=rollout_stream,
             run_id=self.run_id,
         )
+        part = self._submit_turn
+        self._submit_turn = (part + 1) % self.keys.partitions
         # No MAXLEN on the prompt stream: unconsumed jobs must never be trimmed; admission bounds it.
         entry = await self._call(
-            self._r.xadd(self.keys.prompts, {F_JOB: wire.job_to_pb(job).SerializeToString()})
+            self._r.xadd(self.keys.part(part).prompts, {F_JOB: wire.job_to_pb(job).SerializeToString()})
         )
         self._flight.submitted(job.job_id, options.n)
-        self._job_entries[job.job_id] = entry
+        self._job_entries[job.job_id] = (part, entry)
         self.stats.submitted_jobs += 1
         self.stats.submitted_rollouts += options.n
         return job.job_id
@@ -402,7 +459,9 @@ class AsyncRolloutQueue:
         if not reps:
             parts.append(
                 f"0 live replicas in namespace {self.keys.namespace!r} (start `maskroll serve --pull "
-                f"--namespace {self.keys.namespace}` on the same Redis)"
+                f"--namespace {self.keys.namespace}"
+                + (f" --partitions {self.keys.partitions}" if self.keys.partitions > 1 else "")
+                + "` on the same Redis)"
             )
         else:
             parts.append(
@@ -417,7 +476,7 @@ class AsyncRolloutQueue:
             parts.append(
                 "dead-lettered meanwhile: "
                 + ", ".join(f"{n} {what[k]}" for k, n in sorted(refused.items()))
-                + f" (reasons in the stream {self.keys.dead_letters})"
+                + f" (reasons in {self._dead_letter_streams()})"
             )
             if refused.get("future_version"):
                 parts.append(
@@ -425,6 +484,10 @@ class AsyncRolloutQueue:
                     "(or broadcast_weights) makes them load this run's"
                 )
         return QueueTimeout("; ".join(parts))
+
+    def _dead_letter_streams(self) -> str:
+        """Where the dead letters are: one stream per partition."""
+        return ", ".join(p.dead_letters for p in self.keys.parts)
 
     def _superseded(self, current: RunInfo | None) -> RunSuperseded:
         now = current.describe() if current else "no run (its record was deleted)"
@@ -434,42 +497,64 @@ class AsyncRolloutQueue:
         )
 
     async def _read(self, batch_size: int, block_ms: int) -> int:
-        """One read (own pending entries first, then reclaimed ones, then new ones); returns entries read."""
-        r, keys = self._r, self.keys
+        """One read (own pending entries first, then reclaimed ones, then new ones); returns entries read.
+        Partitions are read one by one (in a Redis Cluster a multi-stream XREADGROUP must stay in one
+        slot), starting with each in turn; when none has anything, one of them is waited on."""
+        r, parts = self._r, self._rotation()
         if not self._own_pending_read:
             # our own unacked entries from a previous life of this consumer name
-            resp = await self._call(r.xreadgroup(TRAINER_GROUP, self.consumer, {keys.rollouts: "0"}))
+            n = 0
+            for part in parts:
+                resp = await self._call(r.xreadgroup(TRAINER_GROUP, self.consumer, {part.rollouts: "0"}))
+                entries = resp[0][1] if resp else []
+                await self._ingest(entries, part)
+                n += len(entries)
             self._own_pending_read = True
-            entries = resp[0][1] if resp else []
-            await self._ingest(entries)
-            return max(1, len(entries))  # the new entries are still to be read
+            return max(1, n)  # the new entries are still to be read
         if time.monotonic() >= self._next_claim:
             self._next_claim = time.monotonic() + max(0.5, self.claim_idle_ms / 4000)
-            _, claimed, *_ = await self._call(
-                r.xautoclaim(
-                    keys.rollouts, TRAINER_GROUP, self.consumer, self.claim_idle_ms, "0-0", count=256
+            n = 0
+            for part in parts:
+                _, claimed, *_ = await self._call(
+                    r.xautoclaim(
+                        part.rollouts, TRAINER_GROUP, self.consumer, self.claim_idle_ms, "0-0", count=256
+                    )
                 )
-            )
-            claimed = [e for e in claimed if e is not None]
-            if claimed:
-                self.stats.reclaimed += len(claimed)
-                await self._ingest(claimed)
-                return len(claimed)
+                claimed = [e for e in claimed if e is not None]
+                if claimed:
+                    self.stats.reclaimed += len(claimed)
+                    await self._ingest(claimed, part)
+                    n += len(claimed)
+            if n:
+                return n
+        n = 0
+        if len(parts) > 1:  # a sweep that does not wait
+            for part in parts:
+                n += await self._read_new(part, 2 * batch_size, None)
+        if not n:
+            wait = block_ms if len(parts) == 1 else min(block_ms, SWEEP_BLOCK_MS)
+            n = await self._read_new(parts[0], 2 * batch_size, wait)
+        return n
+
+    async def _read_new(self, part: PartitionKeys, count: int, block_ms: int | None) -> int:
+        """Entries never delivered before, of one partition; returns how many were read."""
         resp = await self._call(
-            r.xreadgroup(
-                TRAINER_GROUP, self.consumer, {keys.rollouts: ">"}, count=2 * batch_size, block=block_ms
+            self._r.xreadgroup(
+                TRAINER_GROUP, self.consumer, {part.rollouts: ">"}, count=count, block=block_ms
             )
         )
         entries = resp[0][1] if resp else []
-        await self._ingest(entries)
+        await self._ingest(entries, part)
         return len(entries)
 
-    async def _ingest(self, entries: list) -> None:
+    async def _ingest(self, entries: list, part: PartitionKeys) -> None:
+        """Entries read from `part`'s rollout stream: admit, batch, or set aside each one."""
         fresh: list[Entry] = []
-        for entry_id, fields in entries:
+        for raw_id, fields in entries:
             if not fields:  # deleted while pending
-                await self._call(self._r.xack(self.keys.rollouts, TRAINER_GROUP, entry_id))
+                await self._call(self._r.xack(part.rollouts, TRAINER_GROUP, raw_id))
                 continue
+            entry_id = self._entry(part.index, raw_id)
             if F_RECORD in fields:
                 rec = await self._admit(entry_id, fields)
                 if rec is not None:
@@ -481,7 +566,7 @@ class AsyncRolloutQueue:
         self._report_refused()
         if not fresh:
             return
-        flags = await self._call(self._r.zmscore(self.keys.done, [rec.rollout_id for _, rec in fresh]))
+        flags = await self._call(self._r.zmscore(part.done, [rec.rollout_id for _, rec in fresh]))
         now = time.monotonic()
         for (entry_id, rec), ack_time in zip(fresh, flags, strict=True):
             verdict = self._batcher.offer(
@@ -542,7 +627,7 @@ class AsyncRolloutQueue:
                 self.run_id,
                 self.policy_version,
                 dict(new),
-                self.keys.dead_letters,
+                self._dead_letter_streams(),
             )
             self._reported = Counter(self._refused)
 
@@ -568,9 +653,9 @@ class AsyncRolloutQueue:
         await self._consumed(job_id, len(entry_ids))
 
     async def _finish(self, entry_ids: list[bytes]) -> None:
-        if entry_ids:
-            pipe = self._r.pipeline(transaction=True)
-            ack_and_delete(pipe, self.keys.rollouts, TRAINER_GROUP, *entry_ids)
+        for part, ids in self._by_partition(entry_ids).items():  # a transaction stays in one slot
+            pipe = transaction(self._r)
+            ack_and_delete(pipe, part.rollouts, TRAINER_GROUP, *ids)
             await self._call(pipe.execute())
 
     async def _dead_letter(
@@ -582,13 +667,14 @@ class AsyncRolloutQueue:
         *,
         warn: bool | None = None,
     ) -> None:
+        part, raw_id = self._split(entry_id)
         await self._call(
             dead_letter(
                 self._r,
-                self.keys,
-                self.keys.rollouts,
+                part,
+                part.rollouts,
                 TRAINER_GROUP,
-                entry_id,
+                raw_id,
                 fields,
                 reason,
                 warn=kind == "invalid" if warn is None else warn,  # the others are reported per read
@@ -612,23 +698,26 @@ class AsyncRolloutQueue:
         await self._consumed(job.job_id, self._flight.expected(job.job_id))
 
     async def ack(self, batch: Sequence[RolloutRecord]) -> None:
-        """Confirm a trained batch: XACK + XDEL and the `done` markers, in one transaction. Records
-        already acked are skipped; the acked rollouts free their in-flight room."""
+        """Confirm a trained batch: XACK + XDEL and the `done` markers, in one transaction per
+        partition. Records already acked are skipped; the acked rollouts free their in-flight room."""
         ids, per_job = [], {}
+        rollouts: dict[PartitionKeys, list[str]] = {}
         for rec in batch:
             entry_id = self._batcher.entry_of(rec.rollout_id)
             if entry_id is None:
                 continue  # already acked
             ids.append(entry_id)
+            rollouts.setdefault(self._split(entry_id)[0], []).append(rec.rollout_id)
             per_job[rec.job_id] = per_job.get(rec.job_id, 0) + 1
         if not ids:
             return
-        pipe = self._r.pipeline(transaction=True)
-        ack_and_delete(pipe, self.keys.rollouts, TRAINER_GROUP, *ids)
         now = time.time()
-        pipe.zadd(self.keys.done, {rec.rollout_id: now for rec in batch})
-        pipe.zremrangebyscore(self.keys.done, "-inf", now - self.done_ttl_ms / 1000)  # forget old acks
-        await self._call(pipe.execute())
+        for part, entry_ids in self._by_partition(ids).items():  # a transaction stays in one slot
+            pipe = transaction(self._r)
+            ack_and_delete(pipe, part.rollouts, TRAINER_GROUP, *entry_ids)
+            pipe.zadd(part.done, dict.fromkeys(rollouts[part], now))
+            pipe.zremrangebyscore(part.done, "-inf", now - self.done_ttl_ms / 1000)  # forget old acks
+            await self._call(pipe.execute())
         self._batcher.acked(batch)
         self.stats.acked += len(ids)
         for job_id, count in per_job.items():
@@ -638,6 +727,7 @@ class AsyncRolloutQueue:
 
     async def replicas(self) -> list[ReplicaInfo]:
         """Live replicas of this namespace: those whose heartbeat key has not expired."""
+        await self._connect()
         return await self._call(live_replicas(self._r, self.keys))
 
     async def replica_weights(self, timeout: float = 10.0) -> dict[str, ReplicaWeights | str]:
@@ -654,13 +744,18 @@ class AsyncRolloutQueue:
         behind; raises BroadcastError when no live replica loaded it (none alive included),
         RunSuperseded when another trainer started a new run, ValueError when `version` does not move
         the run forward (0 may be published while the run is at 0: its starting weights)."""
-        await self.open()
-        await self._call(advance(self._r, self.keys, self.run_id, version, str(checkpoint_dir)))
-        self._run = replace(
-            self.run, version=int(version), checkpoint=str(checkpoint_dir), updated_at=time.time()
-        )
-        self.set_policy_version(version)  # before the replicas load it: their records must not be "future"
+        await self.record_version(version, str(checkpoint_dir))
         return await self._load_everywhere(version, str(checkpoint_dir), timeout, skip_current=version == 0)
+
+    async def record_version(self, version: int, record: str) -> None:
+        """Record `version` as the run's latest, `record` saying where a replica that joins later gets it
+        (a checkpoint directory, "stream", "collective": docs/records.md "Runs"), and make it the
+        trainer's policy version. Every publisher calls it before the replicas load the version: their
+        records must not be "future". Raises as `broadcast_weights`."""
+        await self.open()
+        await self._call(advance(self._r, self.keys, self.run_id, version, record))
+        self._run = replace(self.run, version=int(version), checkpoint=record, updated_at=time.time())
+        self.set_policy_version(version)
 
     async def sync_replicas(self, timeout: float = 120.0) -> dict[str, str]:
         """Make every live replica serve this run's current version (after a resume, or when replicas
@@ -694,9 +789,7 @@ class AsyncRolloutQueue:
         Results and errors as `broadcast_weights`."""
         await self.open()
         if record is not None:
-            await self._call(advance(self._r, self.keys, self.run_id, version, record))
-            self._run = replace(self.run, version=int(version), checkpoint=record, updated_at=time.time())
-            self.set_policy_version(version)  # before the replicas load it, as broadcast_weights
+            await self.record_version(version, record)
         manifest = replace(manifest, version=int(version), run_id=self.run_id)
 
         async def send(reps: list[ReplicaInfo]) -> dict[str, str]:
@@ -771,6 +864,7 @@ class RolloutQueue:
         tls: bool = False,
         root_certs: bytes | None = None,
         retries: int = 10,
+        partitions: int = 1,
     ) -> None:
         """See AsyncRolloutQueue for what each argument means; run="new" | "resume" | None above all."""
         kwargs = dict(
@@ -786,6 +880,7 @@ class RolloutQueue:
             tls=tls,
             root_certs=root_certs,
             retries=retries,
+            partitions=partitions,
         )
         self._loop = LoopThread("maskroll-queue")
         try:
@@ -918,6 +1013,11 @@ class RolloutQueue:
         replica); {replica_id: "ok" | "unchanged" | error}. Raises BroadcastError when no live replica
         loaded it. See AsyncRolloutQueue.broadcast_weights."""
         return self._loop.run(self._q.broadcast_weights(version, checkpoint_dir, timeout))
+
+    def record_version(self, version: int, record: str) -> None:
+        """Record `version` as the run's latest (how a joining replica gets it: `record`) and make it the
+        policy version, loading nothing. See AsyncRolloutQueue.record_version."""
+        self._loop.run(self._q.record_version(version, record))
 
     def push_weights(
         self,

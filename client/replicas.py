@@ -165,14 +165,20 @@ async def push_weights(
     from . import wire
 
     def messages():
-        yield wire.manifest_to_pb(manifest)
+        # Serialized here, each chunk with one copy of the tensor's bytes (wire.push_chunk_bytes); the
+        # call has no request serializer, so gRPC sends these bytes as they are.
+        yield wire.manifest_to_pb(manifest).SerializeToString()
         for index, offset, data in chunks():
-            yield wire.push_chunk_to_pb(index, offset, data)
+            yield wire.push_chunk_bytes(index, offset, data)
 
     async def call(_: int, c: RolloutClient) -> str:
+        c._rollout()  # opens the channel
+        push = c._channel.stream_unary(
+            wire.PUSH_WEIGHTS_METHOD, response_deserializer=wire.pb.UpdateWeightsResponse.FromString
+        )
         # The deadline bounds the whole call (gRPC cancels it, so the replica drops the half-received
         # push); wait_for is the backstop for a channel that never connects.
-        await asyncio.wait_for(c._unary(c._rollout().PushWeights, messages(), timeout), timeout + 5.0)
+        await asyncio.wait_for(c._unary(push, messages(), timeout), timeout + 5.0)
         return "ok"
 
     return await _each(replicas, call, token=token, tls=tls, root_certs=root_certs)

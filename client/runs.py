@@ -27,6 +27,7 @@ from typing import Literal
 
 import redis.asyncio as aioredis
 
+from .redis_conn import transaction
 from .streams import StreamKeys
 
 RunMode = Literal["new", "resume"]
@@ -150,7 +151,7 @@ async def open_run(
     now = time.time()
     fresh = RunInfo(run_id=new_run_id(), started_at=now, updated_at=now, started_by=trainer)
     if mode == "new":
-        pipe = r.pipeline(transaction=True)
+        pipe = transaction(r)
         pipe.delete(keys.run)
         pipe.hset(keys.run, mapping=_mapping(fresh))
         await pipe.execute()

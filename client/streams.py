@@ -5,7 +5,9 @@ perform on a stream: create a group (`ensure_group`), consume an entry (`ack_and
 one nobody can decode (`dead_letter`). Knows nothing of what the payloads mean or of retries (the
 caller's client carries the retry rule, see redis_conn.py).
 
-One namespace per training run. Entries carry protobuf bytes (proto/maskroll/v1/rollout.proto):
+One namespace per training run, split into P partitions (default 1: the original key names); each
+partition has its own streams, in one Redis Cluster slot (StreamKeys, docs/scaling.md "Redis Cluster").
+Entries carry protobuf bytes (proto/maskroll/v1/rollout.proto):
 prompt stream  {"job": PromptJob}
 rollout stream {"r": RolloutRecord} or {"job_error": PromptJob, "reason": text} when a job cannot run
 dead letters   {"stream", "id", "reason", "payload"} for entries no consumer could decode or use
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
+
+from .redis_conn import transaction
 
 log = logging.getLogger("maskroll.streams")
 
@@ -36,29 +40,106 @@ F_JOB_ERROR = b"job_error"
 F_REASON = b"reason"
 
 
+# A namespace may have at most this many partitions (each is a prompt and a rollout stream; a reader
+# polls each, so thousands would cost more in idle reads than they spread).
+MAX_PARTITIONS = 1024
+
+
 @dataclass(frozen=True)
-class StreamKeys:
-    """The Redis key names of one namespace (one training run), all under `maskroll:<namespace>:`."""
+class PartitionKeys:
+    """The keys of one partition of a namespace: its prompt and rollout streams, dead letters and done
+    set. They share one hash tag, so in a Redis Cluster they sit in one slot: a transaction or script
+    over them (ack + done marker, dead letter + ack) is allowed there."""
 
     namespace: str
-
-    def _k(self, *parts: str) -> str:
-        return ":".join(("maskroll", self.namespace, *parts))
+    index: int
+    prefix: str  # "maskroll:<ns>" (the single-node layout) or "maskroll:{<ns>:<index>}"
 
     @property
     def prompts(self) -> str:
         """Prompt jobs, trainers → replicas (consumer group REPLICA_GROUP)."""
-        return self._k("prompts")
+        return f"{self.prefix}:prompts"
 
     @property
     def rollouts(self) -> str:
-        """Finished records and job failures, replicas → trainers (consumer group TRAINER_GROUP)."""
-        return self._k("rollouts")
+        """Finished records and job failures, replicas → trainers (consumer group TRAINER_GROUP). A job's
+        records go to the rollout stream of the partition its job came from."""
+        return f"{self.prefix}:rollouts"
 
     @property
     def dead_letters(self) -> str:
         """Entries no consumer could decode or use, with the reason, kept for inspection (never consumed)."""
-        return self._k("dead")
+        return f"{self.prefix}:dead"
+
+    @property
+    def done(self) -> str:
+        """Sorted set of acked rollout ids scored by ack time: a later duplicate (a reclaimed, regenerated
+        job) is skipped. One ZADD per ack and one ZMSCORE per read, whatever the batch size. Per
+        partition: a rollout's duplicates come from its job, and a job lives on one partition."""
+        return f"{self.prefix}:done"
+
+
+@dataclass(frozen=True)
+class StreamKeys:
+    """The Redis key names of one namespace (one training run).
+
+    partitions = 1 on a single Redis (the default) keeps the original layout, every key under
+    `maskroll:<namespace>:`. With several partitions, or on a Redis Cluster, each partition's keys carry
+    the hash tag `{<namespace>:<p>}` (one slot per partition, spread over the cluster's masters) and the
+    run-level keys (run, replica registry) the tag `{<namespace>}`. The `prompts`, `rollouts`,
+    `dead_letters` and `done` properties name partition 0's keys (the only partition by default)."""
+
+    namespace: str
+    partitions: int = 1
+    cluster: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.partitions <= MAX_PARTITIONS:
+            raise ValueError(f"partitions={self.partitions}; expected 1..{MAX_PARTITIONS}")
+        if self.tagged and ("{" in self.namespace or "}" in self.namespace):
+            raise ValueError(f"namespace {self.namespace!r} may not contain braces (Redis Cluster hash tags)")
+
+    @property
+    def tagged(self) -> bool:
+        """Whether keys carry hash tags (several partitions, or a Redis Cluster)."""
+        return self.partitions > 1 or self.cluster
+
+    def part(self, index: int) -> PartitionKeys:
+        """The keys of partition `index` (0 ≤ index < partitions)."""
+        if not 0 <= index < self.partitions:
+            raise IndexError(f"partition {index} of namespace {self.namespace!r} with {self.partitions}")
+        prefix = f"maskroll:{{{self.namespace}:{index}}}" if self.tagged else f"maskroll:{self.namespace}"
+        return PartitionKeys(self.namespace, index, prefix)
+
+    @property
+    def parts(self) -> tuple[PartitionKeys, ...]:
+        """Every partition's keys, in index order."""
+        return tuple(self.part(i) for i in range(self.partitions))
+
+    def _k(self, *parts: str) -> str:
+        ns = f"{{{self.namespace}}}" if self.tagged else self.namespace
+        return ":".join(("maskroll", ns, *parts))
+
+    @property
+    def prompts(self) -> str:
+        """Partition 0's prompt stream (see PartitionKeys)."""
+        return self.part(0).prompts
+
+    @property
+    def rollouts(self) -> str:
+        """Partition 0's rollout stream; also where records go that no job routes (a Generate call's
+        `publish`, agent sessions), and the parent of named rollout streams (`<rollouts>:<suffix>`)."""
+        return self.part(0).rollouts
+
+    @property
+    def dead_letters(self) -> str:
+        """Partition 0's dead letters (see PartitionKeys)."""
+        return self.part(0).dead_letters
+
+    @property
+    def done(self) -> str:
+        """Partition 0's done set (see PartitionKeys)."""
+        return self.part(0).done
 
     @property
     def run(self) -> str:
@@ -72,13 +153,26 @@ class StreamKeys:
     @property
     def replica_pattern(self) -> str:
         """SCAN pattern matching every replica heartbeat key of the namespace."""
-        return self._k("replica", "*")
+        return self._k("replica", "*")  # braces are not special in Redis's glob patterns
 
     @property
-    def done(self) -> str:
-        """Sorted set of acked rollout ids scored by ack time: a later duplicate (a reclaimed, regenerated
-        job) is skipped. One ZADD per ack and one ZMSCORE per read, whatever the batch size."""
-        return self._k("done")
+    def layout(self) -> str:
+        """String: the namespace's partition count, written by the first trainer or replica, checked by
+        the others (`check_layout`). Named the same in every layout, so a mismatch is always found."""
+        return f"maskroll:{self.namespace}:partitions"
+
+
+async def check_layout(r: aioredis.Redis, keys: StreamKeys) -> None:
+    """Record the namespace's partition count if none is recorded; raise ValueError naming both counts
+    when another is (a trainer and replicas that disagree would never meet on a stream)."""
+    await r.set(keys.layout, keys.partitions, nx=True)
+    recorded = int(await r.get(keys.layout) or keys.partitions)
+    if recorded != keys.partitions:
+        raise ValueError(
+            f"namespace {keys.namespace!r} has {recorded} partitions in Redis ({keys.layout}) but this "
+            f"process was given {keys.partitions}: use partitions={recorded} (`maskroll serve --partitions "
+            f"{recorded}`, RolloutQueue(..., partitions={recorded})) or another namespace"
+        )
 
 
 async def ensure_group(r: aioredis.Redis, stream: str, group: str) -> None:
@@ -98,7 +192,7 @@ def ack_and_delete(pipe, stream: str, group: str, *entry_ids: bytes) -> None:
 
 async def dead_letter(
     r: aioredis.Redis,
-    keys: StreamKeys,
+    keys: StreamKeys | PartitionKeys,
     stream: str,
     group: str,
     entry_id: bytes,
@@ -107,12 +201,13 @@ async def dead_letter(
     *,
     warn: bool = True,
 ) -> None:
-    """Move an entry no consumer can decode or use to the dead-letter stream, atomically with its ack.
-    warn=False: the caller reports it (e.g. once for many records of an old run)."""
+    """Move an entry no consumer can decode or use to the dead-letter stream of `keys` (the partition
+    `stream` belongs to: one slot), atomically with its ack. warn=False: the caller reports it (e.g.
+    once for many records of an old run)."""
     if warn:
         log.warning("dead-lettering %s entry %s: %s", stream, entry_id, reason)
     payload = b"".join(fields.values()) if fields else b""
-    pipe = r.pipeline(transaction=True)
+    pipe = transaction(r)
     pipe.xadd(
         keys.dead_letters,
         {b"stream": stream, b"id": entry_id, b"reason": reason[:500], b"payload": payload},

@@ -2,9 +2,9 @@
 
 A push is the manifest, then every tensor's raw little-endian bytes in manifest order, cut into chunks
 of at most `chunk_bytes`. Dtypes are named as safetensors names them (F32, BF16, ...), so the replica
-can write the bytes straight into a safetensors file and load it like a checkpoint directory. Pure data
-and checks: knows nothing of torch (the trainer side turns tensors into these), grpc or protobuf
-(`wire.py` converts).
+can place the bytes straight into tensors of those dtypes, or into a safetensors file it loads like a
+checkpoint directory (server/weight_stream.py). Pure data and checks: knows nothing of torch (the
+trainer side turns tensors into these), grpc or protobuf (`wire.py` converts).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ DTYPE_SIZES = {
     "U8": 1,
     "BOOL": 1,
 }
-# A chunk rides in one gRPC message, which the replica caps (--max-message-bytes, 16 MiB by default);
-# 4 MiB keeps what a push holds in memory on either side at a few MiB, and is large enough that the
-# per-message cost is noise next to the bytes (bench/weights.py).
+# A chunk rides in one gRPC message, which the replica caps (--max-message-bytes, 16 MiB by default).
+# 4 MiB: large enough that the per-message cost is noise next to the bytes (1 MiB costs 5-10 % more CPU
+# on either side), small next to what gRPC's flow-control window buffers anyway on a fast link (tens of
+# MiB: a replica's update peaks at the model plus 15-60 MB, bench/weights.py and docs/benchmarks.md).
 DEFAULT_CHUNK_BYTES = 4 << 20
 
 

@@ -152,6 +152,7 @@ class QueueSource(_Source):
         token: str | None = None,
         root_certs: bytes | None = None,
         run: RunMode | None = None,
+        partitions: int = 1,
     ) -> None:
         super().__init__(batch_size=batch_size, max_staleness=max_staleness, options=options, timeout=timeout)
         # stale_policy "keep": the staleness rule is applied here, per group, so a stale group's prompt
@@ -160,6 +161,7 @@ class QueueSource(_Source):
             url,
             namespace,
             run=run,
+            partitions=partitions,
             batch_size=batch_size,
             max_staleness=max_staleness,
             stale_policy="keep",

@@ -83,7 +83,9 @@ class UnsupportedOption(ValueError):
 class MaskrollConfig:
     """What MaskrollGRPOTrainer adds to TRL's GRPOConfig.
 
-    redis_url / namespace: the queue the pull-mode replicas serve (`maskroll serve --pull`).
+    redis_url / namespace: the queue the pull-mode replicas serve (`maskroll serve --pull`); a URL of any
+        node of a Redis Cluster works. partitions: the namespace's partitions (the replicas'
+        `--partitions`; docs/scaling.md).
     run: "new" starts a new training run on the namespace, "resume" continues its current run (the
         model is loaded from the run's latest checkpoint); None starts one only on an empty namespace.
     replicas: "host:port" of replicas to call directly over gRPC, used when `redis_url` is None.
@@ -103,6 +105,7 @@ class MaskrollConfig:
 
     redis_url: str | None = None
     namespace: str = "default"
+    partitions: int = 1
     run: RunMode | None = None
     replicas: tuple[str, ...] = ()
     weights_root: str | os.PathLike | None = None
@@ -129,7 +132,13 @@ class MaskrollConfig:
             )
         if not isinstance(self.mask, MaskConfig):
             raise TypeError(f"MaskrollConfig.mask must be a MaskConfig, got {type(self.mask).__name__}")
-        for name, low in (("logprobs_k", 1), ("max_staleness", 0), ("publish_every", 1), ("min_replicas", 1)):
+        for name, low in (
+            ("logprobs_k", 1),
+            ("max_staleness", 0),
+            ("publish_every", 1),
+            ("min_replicas", 1),
+            ("partitions", 1),
+        ):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= low):
                 raise ValueError(f"MaskrollConfig.{name}={value!r}; expected an int >= {low}")
@@ -467,7 +476,9 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             if cfg.redis_url is not None:
                 # Reopened (evaluate after train, a second train): the run this trainer took up.
                 run = "resume" if self._run_taken else cfg.run
-                source = QueueSource(cfg.redis_url, cfg.namespace, run=run, **common)
+                source = QueueSource(
+                    cfg.redis_url, cfg.namespace, run=run, partitions=cfg.partitions, **common
+                )
                 self._run_taken = True
                 source.wait_for_replicas(cfg.min_replicas)
                 self._publisher = CheckpointPublisher(source.queue, Path(cfg.weights_root), keep=2)

@@ -33,7 +33,7 @@ from .join import join_current_version
 from .metrics import Metrics
 from .publisher import RolloutPublisher
 from .puller import PromptPuller
-from .servicer import RolloutServicer
+from .servicer import RolloutServicer, add_raw_push_handler
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,8 @@ class Replica:
     owns_engine: bool
     _httpd: object | None = None
     _drained: bool = False
-    redis: object | None = None  # redis.asyncio.Redis when redis_url is set
+    redis: object | None = None  # redis.asyncio.Redis (or RedisCluster) when redis_url is set
+    keys: StreamKeys | None = None  # the namespace's key layout (partitions, cluster) when redis_url is set
     puller: PromptPuller | None = None
     _puller_task: asyncio.Task | None = None
     _health_task: asyncio.Task | None = None
@@ -146,7 +147,7 @@ async def start(config: ServerConfig, engine: Engine | None = None) -> Replica:
 
 async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool) -> Replica:
     metrics = Metrics()
-    redis, publisher = _queue(config, metrics)
+    redis, publisher = await _queue(config, metrics)
     servicer = RolloutServicer(engine, config, metrics, publisher)
     health = health_aio.HealthServicer()
     server, port = _grpc_server(config, servicer, health, metrics)
@@ -169,6 +170,7 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
         owns_engine=owns_engine,
         _httpd=httpd,
         redis=redis,
+        keys=publisher.keys if publisher is not None else None,
         puller=puller,
     )
     await join_current_version(replica)  # the run's current weights before the first job (join.py)
@@ -233,19 +235,26 @@ async def _watch_health(replica: Replica) -> None:
         await asyncio.sleep(HEALTH_PERIOD_S)
 
 
-def _queue(config: ServerConfig, metrics: Metrics) -> tuple[object | None, RolloutPublisher | None]:
-    """(Redis client, rollout publisher) when redis_url is set, else (None, None)."""
+async def _queue(config: ServerConfig, metrics: Metrics) -> tuple[object | None, RolloutPublisher | None]:
+    """(Redis client, rollout publisher) when redis_url is set, else (None, None). The URL may name any
+    node of a Redis Cluster: the cluster client is used then, and the keys carry hash tags (StreamKeys)."""
     redis, publisher = None, None
     if config.redis is not None:
-        from maskroll.client.redis_conn import connect
+        from maskroll.client.redis_conn import open_redis
 
-        redis = connect(config.redis)
+        redis, cluster = await open_redis(config.redis)
+        keys = StreamKeys(config.namespace, config.partitions, cluster)
+        if cluster:
+            log.info(
+                "Redis Cluster detected: namespace %r in %d partitions", config.namespace, keys.partitions
+            )
         publisher = RolloutPublisher(
             redis,
-            StreamKeys(config.namespace).rollouts,
+            keys.rollouts,
             max_len=config.rollout_stream_max_len,
             wait_timeout_s=config.publish_wait_s,
             metrics=metrics,
+            keys=keys,
         )
     return redis, publisher
 
@@ -271,6 +280,7 @@ def _grpc_server(
         ],
     )
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
+    add_raw_push_handler(servicer, server)  # PushWeights without protobuf's copies of the tensor bytes
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bind = _hostport(config.host, config.port)
     try:
@@ -292,7 +302,7 @@ def _puller(
     address = config.advertise_address or _hostport(config.host, port)
     return PromptPuller(
         redis,
-        StreamKeys(config.namespace),
+        publisher.keys,
         config.replica_id,
         JobRunner(engine, config),
         publisher,

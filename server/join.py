@@ -11,6 +11,9 @@ the trainer would refuse as stale anyway, wasting the samples):
   registers its heartbeat and waits for the trainer's publisher to push the current version
   (weight_sync/stream.py: its follower pushes to every live replica not serving it), up to
   `MASKROLL_JOIN_TIMEOUT_S` seconds (default 300).
+- `checkpoint` is "collective" (NCCL through vLLM's weight-transfer engine): the trainer's group was
+  formed before this replica existed and cannot take it in, so nothing can bring it the version now;
+  it says so and starts on its own weights.
 
 If neither works (no weights root, a refused checkpoint, no push in time) the replica starts on its
 own weights and says so in its log; the trainer's next publish brings it up to date.
@@ -33,7 +36,10 @@ from .errors import ServiceError
 
 log = logging.getLogger("maskroll.weights")
 
-STREAM_RECORD = "stream"  # weight_sync.stream.STREAM_RECORD (the server does not import weight_sync)
+# weight_sync.stream.STREAM_RECORD and weight_sync.collective.COLLECTIVE_RECORD (the server does not
+# import weight_sync)
+STREAM_RECORD = "stream"
+COLLECTIVE_RECORD = "collective"
 JOIN_TIMEOUT_ENV = "MASKROLL_JOIN_TIMEOUT_S"
 POLL_S = 0.2
 
@@ -56,12 +62,19 @@ async def join_current_version(replica) -> None:
     """Bring `replica` (an app.Replica, its puller not started yet) to its run's current version."""
     if replica.redis is None:
         return
-    keys = StreamKeys(replica.config.namespace)
+    keys = replica.keys or StreamKeys(replica.config.namespace)  # the layout app.py detected
     run = await _run(replica.redis, keys)
     if run is None or not run.checkpoint or _current(replica.servicer, run):
         return  # no run, or nothing published: the replica's --model is what the run starts from
     if run.checkpoint == STREAM_RECORD:
         await _wait_for_push(replica, keys, run)
+    elif run.checkpoint == COLLECTIVE_RECORD:
+        log.warning(
+            "weights: run %s is at version %d, broadcast over NCCL to a group this replica is not in; it "
+            "starts on version 0 until its trainer forms a new group with it or pushes the weights",
+            run.run_id,
+            run.version,
+        )
     else:
         await _load_directory(replica, run)
 

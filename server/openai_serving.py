@@ -227,7 +227,7 @@ class OpenAIServing:
         self.config = config
         self.pipeline = Pipeline(engine, config)
         self.caps = self.pipeline.caps
-        self.keys = StreamKeys(config.namespace)
+        self.keys = (publisher and publisher.keys) or StreamKeys(config.namespace)  # as the gRPC servicer
         self.sessions = SessionStore(
             max_sessions=config.max_sessions,
             idle_s=config.session_idle_s,

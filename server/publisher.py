@@ -5,6 +5,12 @@ backlog. When the backlog is full, or Redis answers OOM, the publisher waits (bo
 trimming with MAXLEN, which would silently delete rollouts nobody has read. When Redis is down, the
 client's retry rule applies (maskroll.client.redis_conn.connect); past the budget the error propagates
 and the caller keeps the job unacked, so it is redelivered — a record is never silently dropped.
+
+The XLEN check costs a round trip per publish, so it is skipped while the backlog is well under the
+bound: the transaction also returns the stream's length after its XADDs, and a publish whose last one
+left the backlog under half of max_len (with room for this job) goes without. Each replica can then add
+at most one job unchecked once the backlog has passed half, so the bound holds while max_len / 2 is more
+than one job per replica — the slack that two replicas checking at the same moment need anyway.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from redis.exceptions import ResponseError
 
 from maskroll.client import wire
 from maskroll.client.records import PromptJob, RolloutRecord
-from maskroll.client.streams import F_JOB_ERROR, F_REASON, F_RECORD
+from maskroll.client.redis_conn import transaction
+from maskroll.client.streams import F_JOB_ERROR, F_REASON, F_RECORD, StreamKeys
 
 from .metrics import Metrics
 
@@ -37,13 +44,18 @@ class RolloutPublisher:
         wait_timeout_s: float = 600.0,
         poll_s: float = 0.25,
         metrics: Metrics | None = None,
+        keys: StreamKeys | None = None,
     ) -> None:
+        """keys: the namespace's key layout (partitions, cluster), for front ends that validate a
+        request's rollout stream against it; `stream` is where records go by default."""
+        self.keys = keys
         self.metrics = metrics or Metrics()
         self.redis = redis
         self.stream = stream
         self.max_len = max_len
         self.wait_timeout_s = wait_timeout_s
         self.poll_s = poll_s
+        self._seen: dict[str, int] = {}  # stream -> its length right after our last publish to it
 
     async def publish(self, records: Sequence[RolloutRecord], stream: str | None = None) -> list[bytes]:
         """XADD all records of one job in one transaction (all or none); returns their entry ids."""
@@ -52,12 +64,16 @@ class RolloutPublisher:
         started = time.monotonic()
         deadline = started + self.wait_timeout_s
         while True:
-            if await self.redis.xlen(stream) + len(payloads) <= self.max_len:
-                pipe = self.redis.pipeline(transaction=True)
+            seen = self._seen.pop(stream, None)  # used once: a wait or an error starts from a fresh XLEN
+            if (seen is not None and seen + len(payloads) <= self.max_len // 2) or (
+                await self.redis.xlen(stream) + len(payloads) <= self.max_len
+            ):
+                pipe = transaction(self.redis)
                 for data in payloads:
                     pipe.xadd(stream, {F_RECORD: data})
+                pipe.xlen(stream)
                 try:
-                    ids = await pipe.execute()
+                    *ids, self._seen[stream] = await pipe.execute()
                 except ResponseError as e:
                     if "OOM" not in str(e):
                         raise

@@ -6,6 +6,10 @@ Jobs left pending by a dead replica are reclaimed by survivors once idle for `cl
 so slow generations are not stolen. Replicas register with a heartbeat key (TTL) so trainers can find
 them for weight updates. Knows nothing of engines: `run_job` turns a job into records.
 
+With several partitions (`--partitions`), every partition's prompt stream is read, one stream per call
+(in a Redis Cluster a multi-stream XREADGROUP must stay in one slot), starting with each in turn, and a
+job's records go to the rollout stream of its own partition.
+
 Hostile or broken input never stops the puller: a job naming a rollout stream outside the namespace's
 is rejected (`validation.rollout_stream`); a job that keeps failing for a reason that is not transient
 (a WRONGTYPE key, say), or whose replica keeps dying, is dead-lettered once Redis has delivered it
@@ -29,12 +33,14 @@ from redis.exceptions import ResponseError
 
 from maskroll.client import wire
 from maskroll.client.records import PromptJob, RolloutRecord
-from maskroll.client.redis_conn import REDIS_DOWN, redact
+from maskroll.client.redis_conn import REDIS_DOWN, redact, transaction
 from maskroll.client.streams import (
     F_JOB,
     REPLICA_GROUP,
+    PartitionKeys,
     StreamKeys,
     ack_and_delete,
+    check_layout,
     dead_letter,
     ensure_group,
 )
@@ -53,6 +59,9 @@ TRANSIENT = (*REDIS_DOWN, PublishTimeout, EngineDead)
 # prompt stream is unreachable: the client is still inside its retry budget, but health should know now.
 UNREACHABLE_AFTER_S = 5.0
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and largest wait before run() is restarted after an error
+# With several partitions and nothing on any of them, one is waited on (each in turn) this long: a job
+# arriving on another waits no longer than this to be taken.
+SWEEP_BLOCK_MS = 100
 
 
 class JobRejected(ValueError):
@@ -86,7 +95,11 @@ class PromptPuller:
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.replica_info = replica_info or (lambda: {})
         self.max_deliveries = max_deliveries
-        self._active: dict[bytes, asyncio.Task] = {}
+        self._active: dict[tuple[int, bytes], asyncio.Task] = {}  # (partition, entry id) -> its task
+        self._turn = 0  # the partition the next read starts with
+        # for messages: the prompt stream, or "<first> … <last>" of several partitions
+        parts = keys.parts
+        self._streams = parts[0].prompts if len(parts) == 1 else f"{parts[0].prompts} … {parts[-1].prompts}"
         self._stopping = asyncio.Event()
         self._problem: str | None = None  # why the last attempt to take jobs failed; None once one works
         self._call_since: float | None = None  # when the Redis call now in progress started
@@ -96,7 +109,7 @@ class PromptPuller:
         error), or None. Cheap: the health monitor polls it."""
         since = self._call_since
         if since is not None and (waited := time.monotonic() - since) > UNREACHABLE_AFTER_S:
-            return f"the prompt stream {self.keys.prompts} has not answered for {waited:.0f} s"
+            return f"the prompt stream {self._streams} has not answered for {waited:.0f} s"
         return self._problem
 
     async def supervise(self) -> None:
@@ -124,7 +137,8 @@ class PromptPuller:
 
     async def run(self) -> None:
         """Until stop(): read or reclaim jobs while below `concurrency`, keep heartbeats fresh."""
-        await self._redis(ensure_group(self.redis, self.keys.prompts, REPLICA_GROUP))
+        await self._redis(check_layout(self.redis, self.keys))
+        await self._ensure_groups()
         beat = asyncio.create_task(self._heartbeat())
         next_claim = 0.0
         try:
@@ -136,12 +150,12 @@ class PromptPuller:
                 try:
                     next_claim = await self._take_jobs(free, next_claim)
                     if self._problem:
-                        log.info("prompt stream %s readable again", self.keys.prompts)
+                        log.info("prompt stream %s readable again", self._streams)
                     self._problem = None
                 except REDIS_DOWN as e:
                     # The client already retried with backoff; keep trying: the replica recovers
                     # when Redis returns, and running jobs go on meanwhile.
-                    self._problem = redact(f"the prompt stream {self.keys.prompts} is unreachable: {e}")
+                    self._problem = redact(f"the prompt stream {self._streams} is unreachable: {e}")
                     log.warning("%s; retrying", self._problem)
                     await asyncio.sleep(1.0)
                 except ResponseError as e:
@@ -152,12 +166,16 @@ class PromptPuller:
                     log.warning(
                         "consumer group %r on %s is gone (Redis flushed or replaced?); recreating it",
                         REPLICA_GROUP,
-                        self.keys.prompts,
+                        self._streams,
                     )
-                    await self._redis(ensure_group(self.redis, self.keys.prompts, REPLICA_GROUP))
+                    await self._ensure_groups()
         finally:
             beat.cancel()
             await asyncio.gather(beat, return_exceptions=True)
+
+    async def _ensure_groups(self) -> None:
+        for part in self.keys.parts:
+            await self._redis(ensure_group(self.redis, part.prompts, REPLICA_GROUP))
 
     async def _redis(self, aw):
         """Await one Redis call of the loop, timed for failure()."""
@@ -167,38 +185,68 @@ class PromptPuller:
         finally:
             self._call_since = None
 
+    def _rotation(self) -> list[PartitionKeys]:
+        """The partitions, starting with the next one in turn (so that none is always read last)."""
+        parts = self.keys.parts
+        self._turn = (self._turn + 1) % len(parts)
+        return [*parts[self._turn :], *parts[: self._turn]]
+
     async def _take_jobs(self, free: int, next_claim: float) -> float:
-        """Reclaim idle jobs (at most every claim_idle/4) or read new ones; start a task per job."""
-        entries, deliveries = [], {}
+        """Reclaim idle jobs (at most every claim_idle/4) or read new ones, at most `free` in all; start
+        a task per job."""
+        parts = self._rotation()
+        taken = 0
         if time.monotonic() >= next_claim:
             next_claim = time.monotonic() + max(0.5, self.claim_idle_ms / 4000)
-            _, claimed, *_ = await self._redis(
-                self.redis.xautoclaim(
-                    self.keys.prompts, REPLICA_GROUP, self.consumer, self.claim_idle_ms, "0-0", count=free
-                )
-            )
-            entries = [e for e in claimed if e is not None and e[0] not in self._active]
-            self.metrics.jobs_reclaimed.inc(len(entries))
-            for entry_id, _ in entries:  # reclaimed: delivered before, maybe many times (a poison job)
-                deliveries[entry_id] = await self._deliveries(entry_id)
-        if not entries:
-            resp = await self._redis(
-                self.redis.xreadgroup(
-                    REPLICA_GROUP, self.consumer, {self.keys.prompts: ">"}, count=free, block=500
-                )
-            )
-            entries = resp[0][1] if resp else []
-        for entry_id, fields in entries:
-            if entry_id not in self._active:
-                n = deliveries.get(entry_id, 1)
-                self._active[entry_id] = asyncio.create_task(self._handle(entry_id, fields, n))
-                self.metrics.jobs_active.set(len(self._active))
+            for part in parts:
+                if taken < free:
+                    taken += await self._reclaim(part, free - taken)
+        if taken:
+            return next_claim
+        if len(parts) > 1:  # a sweep that does not wait
+            for part in parts:
+                if taken < free:
+                    taken += await self._read_new(part, free - taken, None)
+        if not taken:
+            await self._read_new(parts[0], free, 500 if len(parts) == 1 else SWEEP_BLOCK_MS)
         return next_claim
 
-    async def _deliveries(self, entry_id: bytes) -> int:
+    async def _reclaim(self, part: PartitionKeys, count: int) -> int:
+        """Take over jobs of `part` idle past claim_idle_s (a dead replica's); returns how many started."""
+        _, claimed, *_ = await self._redis(
+            self.redis.xautoclaim(
+                part.prompts, REPLICA_GROUP, self.consumer, self.claim_idle_ms, "0-0", count=count
+            )
+        )
+        entries = [e for e in claimed if e is not None and (part.index, e[0]) not in self._active]
+        self.metrics.jobs_reclaimed.inc(len(entries))
+        for entry_id, fields in entries:  # reclaimed: delivered before, maybe many times (a poison job)
+            self._start(part, entry_id, fields, await self._deliveries(part, entry_id))
+        return len(entries)
+
+    async def _read_new(self, part: PartitionKeys, count: int, block_ms: int | None) -> int:
+        """Read jobs of `part` never delivered before and start them; returns how many started."""
+        resp = await self._redis(
+            self.redis.xreadgroup(
+                REPLICA_GROUP, self.consumer, {part.prompts: ">"}, count=count, block=block_ms
+            )
+        )
+        started = 0
+        for entry_id, fields in resp[0][1] if resp else []:
+            if (part.index, entry_id) not in self._active:
+                self._start(part, entry_id, fields, 1)
+                started += 1
+        return started
+
+    def _start(self, part: PartitionKeys, entry_id: bytes, fields: dict, deliveries: int) -> None:
+        task = asyncio.create_task(self._handle(part, entry_id, fields, deliveries))
+        self._active[(part.index, entry_id)] = task
+        self.metrics.jobs_active.set(len(self._active))
+
+    async def _deliveries(self, part: PartitionKeys, entry_id: bytes) -> int:
         """How often Redis has delivered this entry (XREADGROUP and XAUTOCLAIM count, XCLAIM JUSTID not)."""
         pending = await self._redis(
-            self.redis.xpending_range(self.keys.prompts, REPLICA_GROUP, entry_id, entry_id, 1)
+            self.redis.xpending_range(part.prompts, REPLICA_GROUP, entry_id, entry_id, 1)
         )
         return int(pending[0]["times_delivered"]) if pending else 1
 
@@ -218,30 +266,37 @@ class PromptPuller:
         await asyncio.gather(*pending, return_exceptions=True)
         return len(pending)
 
-    async def _handle(self, entry_id: bytes, fields: dict, deliveries: int = 1) -> None:
+    async def _handle(self, part: PartitionKeys, entry_id: bytes, fields: dict, deliveries: int = 1) -> None:
         job = None
         try:
             try:
                 job = wire.decode_job(fields.get(F_JOB, b""))
             except wire.WireError as e:
-                await self._dead_letter(entry_id, fields, str(e))
+                await self._dead_letter(part, entry_id, fields, str(e))
                 self.metrics.jobs.labels("malformed").inc()
                 return
             if deliveries > self.max_deliveries:  # it never finished: each run failed or killed its replica
-                await self._give_up(entry_id, fields, job, f"delivered {deliveries} times and never finished")
+                await self._give_up(
+                    part, entry_id, fields, job, f"delivered {deliveries} times and never finished"
+                )
                 return
             stream = None
             try:
-                stream = validation.rollout_stream(job.rollout_stream, self.keys)
+                # A job's records go to its own partition's rollout stream unless it names one.
+                stream = (
+                    validation.rollout_stream(job.rollout_stream, self.keys)
+                    if job.rollout_stream
+                    else part.rollouts
+                )
                 records = await self.run_job(job)
             except (JobRejected, InvalidArgument) as e:
                 # A job error goes where the records would have gone, unless that is what is wrong.
-                await self.publisher.publish_job_error(job, str(e), stream or self.publisher.stream)
-                await self._ack(entry_id)
+                await self.publisher.publish_job_error(job, str(e), stream or part.rollouts)
+                await self._ack(part, entry_id)
                 self.metrics.jobs.labels("rejected").inc()
                 return
             await self.publisher.publish(records, stream)
-            await self._ack(entry_id)  # only after the records are safely in Redis
+            await self._ack(part, entry_id)  # only after the records are safely in Redis
             self.metrics.jobs.labels("ok").inc()
         except asyncio.CancelledError:
             raise  # drain: the job stays pending and another replica (or we) reclaim it
@@ -259,39 +314,43 @@ class PromptPuller:
                     self.max_deliveries,
                 )
             else:
-                await self._give_up_quietly(entry_id, fields, job, f"{type(e).__name__}: {e}", deliveries)
+                await self._give_up_quietly(
+                    part, entry_id, fields, job, f"{type(e).__name__}: {e}", deliveries
+                )
         finally:
-            self._active.pop(entry_id, None)
+            self._active.pop((part.index, entry_id), None)
             self.metrics.jobs_active.set(len(self._active))
 
     async def _give_up_quietly(
-        self, entry_id: bytes, fields: dict, job: PromptJob, error: str, deliveries: int
+        self, part: PartitionKeys, entry_id: bytes, fields: dict, job: PromptJob, error: str, deliveries: int
     ) -> None:
         try:
-            await self._give_up(entry_id, fields, job, f"failed on delivery {deliveries}: {error}")
+            await self._give_up(part, entry_id, fields, job, f"failed on delivery {deliveries}: {error}")
         except Exception:  # Redis trouble: the job stays pending, the next delivery gives up again
             log.exception("job %s: dead-lettering failed; left pending", entry_id)
 
-    async def _give_up(self, entry_id: bytes, fields: dict, job: PromptJob, why: str) -> None:
+    async def _give_up(
+        self, part: PartitionKeys, entry_id: bytes, fields: dict, job: PromptJob, why: str
+    ) -> None:
         """Dead-letter a job that cannot succeed, telling the trainer (its admission slot is released).
-        The job error goes to the namespace's rollout stream, which the SDK reads."""
+        The job error goes to its partition's rollout stream, which the SDK reads."""
         reason = redact(f"job {job.job_id} dead-lettered: {why}")
         try:
-            await self.publisher.publish_job_error(job, reason, self.publisher.stream)
+            await self.publisher.publish_job_error(job, reason, part.rollouts)
         except REDIS_DOWN:
             raise  # try again on the next delivery
         except Exception:  # the stream itself is broken (WRONGTYPE): the dead letter still records it
             log.exception("job %s: the job error could not be published", job.job_id)
-        await self._dead_letter(entry_id, fields, reason)
+        await self._dead_letter(part, entry_id, fields, reason)
         self.metrics.jobs.labels("dead_lettered").inc()
 
-    async def _ack(self, entry_id: bytes) -> None:
-        pipe = self.redis.pipeline(transaction=True)
-        ack_and_delete(pipe, self.keys.prompts, REPLICA_GROUP, entry_id)
+    async def _ack(self, part: PartitionKeys, entry_id: bytes) -> None:
+        pipe = transaction(self.redis)
+        ack_and_delete(pipe, part.prompts, REPLICA_GROUP, entry_id)
         await pipe.execute()
 
-    async def _dead_letter(self, entry_id: bytes, fields: dict, reason: str) -> None:
-        await dead_letter(self.redis, self.keys, self.keys.prompts, REPLICA_GROUP, entry_id, fields, reason)
+    async def _dead_letter(self, part: PartitionKeys, entry_id: bytes, fields: dict, reason: str) -> None:
+        await dead_letter(self.redis, part, part.prompts, REPLICA_GROUP, entry_id, fields, reason)
 
     async def _heartbeat(self) -> None:
         """Refresh the registry key and keep running jobs' idle time below the reclaim threshold."""
@@ -302,9 +361,10 @@ class PromptPuller:
                 await self.redis.set(
                     self.keys.replica(self.consumer), json.dumps(info), px=int(self.heartbeat_ttl_s * 1000)
                 )
-                if self._active:
+                for p in sorted({p for p, _ in self._active}):
+                    running = [entry_id for q, entry_id in self._active if q == p]
                     await self.redis.xclaim(
-                        self.keys.prompts, REPLICA_GROUP, self.consumer, 0, list(self._active), justid=True
+                        self.keys.part(p).prompts, REPLICA_GROUP, self.consumer, 0, running, justid=True
                     )
             except asyncio.CancelledError:
                 raise

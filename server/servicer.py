@@ -60,7 +60,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._config = config
         self._metrics = metrics
         self._pipeline = Pipeline(engine, config)
-        self._keys = StreamKeys(config.namespace)  # a Generate may publish to its rollout streams only
+        # a Generate may publish to its rollout streams only (the layout app.py detected: partitions, cluster)
+        self._keys = (publisher and publisher.keys) or StreamKeys(config.namespace)
         self._caps = self._pipeline.caps
         self._running = Running()  # for drain, and to refuse a request id already in flight
         self._weights_lock = asyncio.Lock()  # one UpdateWeights at a time: versions must increase
@@ -164,13 +165,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             receiving = asyncio.current_task()
             context.add_done_callback(lambda _: receiving is not None and receiving.cancel())
             try:
-                directory = await weight_stream.receive(manifest, request_iterator)
+                source = await weight_sources.receive(self._engine, manifest, request_iterator)
             finally:
                 receiving = None
         except ServiceError as exc:
             _log_refused(update, exc)
+            await weight_stream.drain(request_iterator, manifest.total_bytes)
             raise
-        source = weight_sources.StreamedSource(directory, manifest)
         return wire.update_result_to_pb(await self._run_update(update, source))
 
     @property
@@ -289,6 +290,20 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     def abort_all(self) -> None:
         """End every in-flight Generate now: each unfinished sample gets a record with finish_reason abort."""
         self._running.abort_all()
+
+
+def add_raw_push_handler(servicer: RolloutServicer, server) -> None:
+    """Serve PushWeights with no request deserializer (after `add_RolloutServiceServicer_to_server`,
+    which it overrides for that one method): the servicer gets each message's bytes and
+    `wire.push_chunk_from_pb` takes the tensor bytes as a view into them, where protobuf's parse and
+    field access would copy every pushed byte twice more (bench/weights.py)."""
+    import grpc
+
+    handler = grpc.stream_unary_rpc_method_handler(
+        servicer.PushWeights, response_serializer=pb.UpdateWeightsResponse.SerializeToString
+    )
+    service = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
+    server.add_registered_method_handlers(service, {"PushWeights": handler})
 
 
 def _log_refused(update: WeightsUpdate, exc: ServiceError, source=None) -> None:

@@ -198,6 +198,13 @@ _TORCH_DTYPES = {
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
+def torch_dtype(name: str):
+    """The torch dtype of a safetensors dtype name (F32, BF16, ...); KeyError for an unknown one."""
+    import torch
+
+    return getattr(torch, _TORCH_DTYPES[name])
+
+
 def read_safetensors(fd: int, label: str) -> Iterator[tuple[str, object]]:
     """The tensors of the safetensors file open at `fd`, one at a time, each read with plain reads into
     its own new tensor: no mmap, so the file's pages never count in this process's RSS and the reader
@@ -229,7 +236,7 @@ def read_safetensors(fd: int, label: str) -> Iterator[tuple[str, object]]:
         if name == "__metadata__":
             continue
         try:
-            dtype = getattr(torch, _TORCH_DTYPES[meta["dtype"]])
+            dtype = torch_dtype(meta["dtype"])
             shape = [int(d) for d in meta["shape"]]
             start, end = (int(x) for x in meta["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
@@ -248,7 +255,7 @@ def read_safetensors(fd: int, label: str) -> Iterator[tuple[str, object]]:
         yield name, t
 
 
-def _load_errors() -> tuple[type[Exception], ...]:
+def load_errors() -> tuple[type[Exception], ...]:
     # What a loader raises for bad *content*: truncated or foreign files (SafetensorError, OSError),
     # missing tensors (KeyError), wrong shapes, dtypes or non-finite values (RuntimeError, ValueError).
     # Anything else is a bug in the engine and stays INTERNAL.
@@ -266,7 +273,7 @@ async def load_checkpoint(engine: Engine, version: int, checkpoint: Checkpoint |
         paused = await engine.update_weights(version, checkpoint)
     except ServiceError:
         raise  # already says what is wrong (a file swapped after the check)
-    except _load_errors() as exc:
+    except load_errors() as exc:
         raise InvalidArgument(
             f"checkpoint.path {str(checkpoint)!r} could not be loaded: {type(exc).__name__}: {exc}"
         ) from exc

@@ -11,10 +11,14 @@ for the other transports (server/weight_sources.py).
 
 Only the sending trainer rank checks values: NaN or inf anywhere refuses the version before a byte is
 sent, since the bytes land in the replicas' models directly. The replica checks names and shapes
-against its model before receiving. The group's world size is fixed at `connect()`: replicas that join
-later cannot enter it (they get weights from a StreamPublisher or the directory transport) — and this
-publisher does not record versions in the run record. Needs CUDA, NCCL and vLLM on the trainer; the
-replicas run the vLLM engine started with `--vllm-arg weight_transfer_config='{"backend": "nccl"}'`.
+against its model before receiving. As the other publishers, `publish` records each version in the run
+record (`RolloutQueue.record_version`, with `checkpoint = "collective"`) and makes it the trainer's
+policy version before any replica loads it, and takes the version rule and the per-replica results
+from `publish.py`. The group's world size is fixed at `connect()`: a replica that starts later cannot
+enter it; it finds "collective" in the run record and starts on its own weights (server/join.py) until
+the trainer forms a new group with it (or publishes through a StreamPublisher or the directory).
+Needs CUDA, NCCL and vLLM on the trainer; the replicas run the vLLM engine started with
+`--vllm-arg weight_transfer_config='{"backend": "nccl"}'`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from maskroll.client import ReplicaInfo
 from maskroll.client.replicas import collective_update
 from maskroll.client.tensor_push import CollectiveSpec, TensorSpec
 
-from .publish import WeightSyncError
+from .publish import WeightSyncError, checked, next_version
+
+COLLECTIVE_RECORD = "collective"  # the run record's `checkpoint` for a version sent over NCCL
 
 
 class GrpcWeightSyncClient:
@@ -113,7 +119,9 @@ class CollectivePublisher:
     pub.connect()            # the rendezvous: every live replica joins the group
     for step in ...:
         ...                  # an optimiser step
-        pub.publish()        # version + 1, broadcast from rank 0
+        pub.publish()        # version + 1: recorded in the run, broadcast from rank 0
+
+    `queue` is a `maskroll.client.RolloutQueue` (its run record, policy version and replica registry).
     """
 
     def __init__(
@@ -130,9 +138,13 @@ class CollectivePublisher:
         self.queue, self.model = queue, model
         self.master_address, self.master_port, self.packed = master_address, master_port, packed
         self.tp, self.timeout = tensor_parallel_size, timeout
-        self.version = 0
         self.client: GrpcWeightSyncClient | None = None
         self._engine = None
+
+    @property
+    def version(self) -> int:
+        """The last version published: the run's (recorded in Redis, so it survives a restart)."""
+        return self.queue.run.version
 
     def connect(self) -> list[str]:
         """Form the group with the live replicas; returns their ids."""
@@ -145,15 +157,13 @@ class CollectivePublisher:
         replicas = self.queue.replicas()
         if not replicas:
             raise WeightSyncError(0, {}, {})
-        run = getattr(self.queue, "run", None)
         self.client = GrpcWeightSyncClient(
             replicas,
             tensor_parallel_size=self.tp,
-            run_id=run.run_id if run is not None else "",
+            run_id=self.queue.run.run_id,
             timeout=self.timeout,
             token=getattr(self.queue, "token", None),
         )
-        self.version = run.version if run is not None else 0
         info = NCCLTrainerInitInfo(
             master_address=self.master_address,
             master_port=self.master_port,
@@ -167,16 +177,17 @@ class CollectivePublisher:
 
     def publish(self, version: int | None = None) -> dict[str, str]:
         """Broadcast the model's parameters as `version` (default: the last + 1); {replica_id: "ok"}.
-        Raises ValueError (nothing sent) on a non-finite value, WeightSyncError if a replica failed."""
+        Raises ValueError (nothing sent, nothing recorded) on a version that does not move the run
+        forward or a non-finite value; WeightSyncError if a replica of the group failed (the group is
+        then unusable: connect() again)."""
         if self._engine is None or self.client is None:
             raise RuntimeError("connect() first")
-        version = self.version + 1 if version is None else int(version)
-        if version <= self.version:
-            raise ValueError(f"version {version} does not move forward: the last published is {self.version}")
+        version = next_version(self.version, version)
         for name, p in self.model.named_parameters():
             if p.is_floating_point() and not bool(torch.isfinite(p).all()):
                 raise ValueError(f"parameter {name!r} has non-finite values; version {version} not sent")
+        self.queue.record_version(version, COLLECTIVE_RECORD)
         self.client.version = version
         self._engine.send_weights()
-        self.version = version
-        return dict(self.client.results)
+        # Every replica of the group took part in the one broadcast: any failure already raised.
+        return checked(version, dict(self.client.results), require_all=True)

@@ -44,6 +44,24 @@ def on_other_weights(serving: Mapping[str, object], run_id: str) -> dict[str, ob
     }
 
 
+def next_version(last: int, version: int | None) -> int:
+    """The version a publish makes current: `version`, or the last published + 1. ValueError if it does
+    not move the run forward (0 may be published again while the run is at 0: its starting weights)."""
+    version = last + 1 if version is None else int(version)
+    if version < last or (version == last and version != 0):
+        raise ValueError(f"version {version} does not move the run forward: the last published is {last}")
+    return version
+
+
+def checked(version: int, results: dict[str, str], require_all: bool) -> dict[str, str]:
+    """`results` ({replica_id: "ok" | "unchanged" | error}) of publishing `version`; WeightSyncError if
+    no replica serves it, or with `require_all` if any failed (the queue has logged them)."""
+    failed = {r: e for r, e in results.items() if e not in OK}
+    if (failed and require_all) or len(failed) == len(results):
+        raise WeightSyncError(version, failed, results)
+    return results
+
+
 class WeightSyncError(BroadcastError):
     """A published version did not reach the replicas it had to reach."""
 
@@ -131,11 +149,8 @@ class CheckpointPublisher:
     ) -> dict[str, str]:
         """Save `model` as `version` (default: the last version + 1), record it as the run's latest and
         load it on every live replica; returns {replica_id: "ok" | "unchanged" | error}."""
-        last = self.version
-        version = last + 1 if version is None else int(version)
-        if version < last or (version == last and version != 0):
-            # checked before saving: writing <root>/v<last> again would change the run's resume point
-            raise ValueError(f"version {version} does not move the run forward: the last published is {last}")
+        # checked before saving: writing <root>/v<last> again would change the run's resume point
+        version = next_version(self.version, version)
         path = save_checkpoint(model, self.root, version)
         results = self._checked(
             version, lambda: self.queue.broadcast_weights(version, str(path), timeout=self.timeout)
@@ -149,10 +164,7 @@ class CheckpointPublisher:
             results = broadcast()
         except BroadcastError as e:  # the queue raises when no live replica loaded it
             raise WeightSyncError(version, e.failed, e.results) from e
-        failed = {r: e for r, e in results.items() if e not in OK}  # the queue has logged them
-        if (failed and self.require_all) or len(failed) == len(results):
-            raise WeightSyncError(version, failed, results)
-        return results
+        return checked(version, results, self.require_all)
 
     def _prune(self, version: int) -> None:
         for old in range(version - self.keep, -1, -1):

@@ -11,8 +11,8 @@ weights within `follow_s` and pushes it the current version. With `save_root`, e
 written there in the `checkpoint.py` layout, on the trainer's own disk, so a restarted trainer can
 resume the run from it.
 
-The bytes sent are the tensors' own memory (a zero-copy view of each contiguous CPU tensor), so the
-trainer holds the snapshot plus one chunk per replica in flight.
+Each chunk is serialized straight from the tensor's memory with one copy (`wire.push_chunk_bytes`),
+per replica, so the trainer holds the snapshot plus the chunks each replica's gRPC stream has in flight.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import threading
 import zlib
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -29,7 +30,7 @@ from maskroll.client import BroadcastError
 from maskroll.client.tensor_push import DEFAULT_CHUNK_BYTES, TensorSpec, WeightsManifest
 
 from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
-from .publish import OK, WeightSyncError, on_other_weights
+from .publish import WeightSyncError, checked, next_version, on_other_weights
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +69,18 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 def manifest_of(tensors: Mapping[str, torch.Tensor], version: int, run_id: str = "") -> WeightsManifest:
     """The manifest of `tensors` (CPU, contiguous), each with its CRC-32."""
-    specs = []
     for name, t in tensors.items():
         if t.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which cannot be pushed")
-        raw = _raw(t)
-        specs.append(
-            TensorSpec(name, SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), raw.nbytes, zlib.crc32(raw))
-        )
+    raws = [_raw(t) for t in tensors.values()]
+    # The checksums are on the critical path (the manifest goes first): zlib releases the GIL, so the
+    # tensors are summed on every core (0.15 s for 472 MB on one).
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="maskroll-crc") as pool:
+        crcs = list(pool.map(zlib.crc32, raws))
+    specs = (
+        TensorSpec(name, SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), raw.nbytes, crc)
+        for (name, t), raw, crc in zip(tensors.items(), raws, crcs, strict=True)
+    )
     return WeightsManifest(version=version, tensors=tuple(specs), run_id=run_id)
 
 
@@ -187,10 +192,7 @@ class StreamPublisher:
     ) -> dict[str, str]:
         """Snapshot `model` as `version` (default: the last + 1), record it as the run's latest and push
         it to every live replica; returns {replica_id: "ok" | "unchanged" | error}."""
-        last = self.version
-        version = last + 1 if version is None else int(version)
-        if version < last or (version == last and version != 0):
-            raise ValueError(f"version {version} does not move the run forward: the last published is {last}")
+        version = next_version(self.version, version)
         tensors = snapshot(model)
         if self.save_root is not None:
             save_checkpoint(tensors, self.save_root, version)
@@ -204,10 +206,7 @@ class StreamPublisher:
                 raise WeightSyncError(version, e.failed, e.results) from e
         self._version = version
         self._prune(version)
-        failed = {r: e for r, e in results.items() if e not in OK}
-        if (failed and self.require_all) or len(failed) == len(results):
-            raise WeightSyncError(version, failed, results)
-        return results
+        return checked(version, results, self.require_all)
 
     def catch_up(self) -> dict[str, str]:
         """Push the current version to the live replicas that do not serve it; {replica_id: result}.

@@ -1,5 +1,6 @@
-"""A private Redis per test module (LocalRedis: free loopback port, stopped by PID); one tiny model for
-every test that starts replica processes."""
+"""A private Redis per test module (LocalRedis: free loopback port, stopped by PID); one private Redis
+Cluster (3 masters + 3 replicas, LocalRedisCluster) for the whole session; one tiny model for every test
+that starts replica processes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ from maskroll.client.local_redis import LocalRedis
 def redis_server():
     with LocalRedis(appendonly=True) as r:
         yield r
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    from maskroll.client.local_cluster import LocalRedisCluster
+
+    with LocalRedisCluster() as c:
+        yield c
 
 
 @pytest.fixture

@@ -1,6 +1,8 @@
 """The NCCL transport's control side without GPUs: GrpcWeightSyncClient (vLLM's VLLMWeightSyncClient
 protocol over UpdateWeights) gives each replica its own ranks and carries the tensor list; a replica
-whose engine cannot take NCCL (the torch engine) refuses with UNIMPLEMENTED, reported per replica."""
+whose engine cannot take NCCL (the torch engine) refuses with UNIMPLEMENTED, reported per replica;
+CollectivePublisher records each version in the run record before the broadcast, as the other
+publishers do, and refuses (recording nothing) a version that does not move forward or a NaN."""
 
 from __future__ import annotations
 
@@ -35,3 +37,60 @@ def test_a_replica_without_nccl_refuses_and_says_so(torch_replica):
         client.update_weights({"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[4, 4]]})
     assert "UNIMPLEMENTED" in client.results["torch-0"]
     assert torch_replica.servicer.weights_served == before
+
+
+class _TrainerEngine:
+    """What vLLM's NCCLTrainerWeightTransferEngine.send_weights does with its client, minus the NCCL
+    broadcast itself (which needs GPUs: tests/weights/test_nccl.py)."""
+
+    def __init__(self, client, model) -> None:
+        self.client, self.model = client, model
+
+    def send_weights(self) -> None:
+        named = list(self.model.named_parameters())
+        self.client.start_weight_update()
+        self.client.update_weights(
+            {
+                "names": [n for n, _ in named],
+                "dtype_names": [str(p.dtype).split(".")[-1] for _, p in named],
+                "shapes": [list(p.shape) for _, p in named],
+            }
+        )
+        self.client.finish_weight_update()
+
+
+def test_collective_publish_records_the_version_in_the_run_like_the_other_publishers(torch_replica):
+    import torch
+
+    from maskroll.client import RolloutQueue
+    from maskroll.client.local_redis import LocalRedis
+    from maskroll.weight_sync.collective import COLLECTIVE_RECORD, CollectivePublisher
+
+    model = torch.nn.Linear(4, 4)
+    with LocalRedis() as srv, RolloutQueue(srv.url, "nccl", run="new", batch_size=1) as q:
+        pub = CollectivePublisher(q, model, master_address="127.0.0.1", master_port=1)
+        pub.client = GrpcWeightSyncClient([ReplicaInfo("torch-0", torch_replica.address)], timeout=10)
+        # connect() without the NCCL rendezvous
+        pub.client._init = {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2}
+        pub._engine = _TrainerEngine(pub.client, model)
+        with pytest.raises(
+            ValueError, match="version -1 does not move the run forward: the last published is 0"
+        ):
+            pub.publish(-1)
+        with torch.no_grad():
+            model.weight[0, 0] = float("nan")
+        with pytest.raises(ValueError, match="'weight' has non-finite values; version 1 not sent"):
+            pub.publish()
+        assert (q.run.version, q.policy_version) == (0, 0)  # refused before anything was recorded
+        with torch.no_grad():
+            model.weight[0, 0] = 1.0
+        # the torch engine takes no NCCL: the replica fails, but the version was recorded first, as
+        # broadcast_weights and push_weights record it before any replica loads it
+        with pytest.raises(WeightSyncError, match=r"torch-0: .*UNIMPLEMENTED"):
+            pub.publish()
+        assert (q.run.version, q.run.checkpoint, q.policy_version) == (1, COLLECTIVE_RECORD, 1)
+        assert pub.version == 1
+        with pytest.raises(
+            ValueError, match="version 1 does not move the run forward: the last published is 1"
+        ):
+            pub.publish(1)

@@ -1,6 +1,7 @@
 """Joining the run at its current version over the directory transport, with in-process replicas: a
 replica started after the trainer published version 1 serves it before its puller starts; one whose
-weights root does not hold the checkpoint starts on its own weights and says why."""
+weights root does not hold the checkpoint starts on its own weights and says why, and so does one
+started after an NCCL broadcast (whose group it cannot join)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,28 @@ def test_a_replica_started_mid_run_loads_the_recorded_checkpoint_before_taking_j
         for r in (first, late, stranger):
             if r is not None:
                 loop.run(r.drain(timeout_s=0))
+
+
+def test_a_replica_started_after_an_nccl_broadcast_starts_on_its_own_weights_and_says_why(
+    loop, model_dir, redis_url, caplog
+):
+    """CollectivePublisher records "collective" (RolloutQueue.record_version): the NCCL group cannot
+    take in a replica that starts later, so it does not wait for weights that will not come."""
+    import time
+
+    from maskroll.weight_sync.collective import COLLECTIVE_RECORD
+
+    rep = None
+    try:
+        with RolloutQueue(redis_url, NS, run="new", batch_size=2) as q:
+            q.record_version(3, COLLECTIVE_RECORD)
+            assert (q.run.version, q.run.checkpoint, q.policy_version) == (3, COLLECTIVE_RECORD, 3)
+            t0 = time.monotonic()
+            with caplog.at_level(logging.INFO, logger="maskroll.weights"):
+                rep = _start(loop, model_dir, redis_url, "rep-nccl")
+            assert time.monotonic() - t0 < 60  # no join wait (MASKROLL_JOIN_TIMEOUT_S is 300)
+            assert rep.servicer.weights_served == ("", 0)
+            assert f"run {q.run.run_id} is at version 3, broadcast over NCCL" in caplog.text
+    finally:
+        if rep is not None:
+            loop.run(rep.drain(timeout_s=0))

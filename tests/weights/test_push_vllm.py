@@ -1,5 +1,6 @@
 """PushWeights on the vLLM CPU engine (the session's shared one): pushed weights generate exactly what
-the same weights loaded from a directory generate. The engine's weights are restored afterwards."""
+the same weights loaded from a directory generate; the engine receives into its spool (its workers read
+files) and keeps the file of the weights it serves. The engine's weights are restored afterwards."""
 
 from __future__ import annotations
 
@@ -45,10 +46,13 @@ def test_a_push_to_vllm_generates_exactly_what_the_directory_load_generates(
             assert pushed.policy_version_first == v + 2
             assert pushed.completion_ids.tolist() == from_dir.completion_ids.tolist()
             np.testing.assert_allclose(pushed.sampled_logprobs, from_dir.sampled_logprobs, rtol=0, atol=1e-6)
-            assert list(spool.iterdir()) == []
+            # vLLM restores the served weights from their file after a failed update: the push it
+            # serves stays in the spool (only that one), until another update succeeds
+            assert [d.name.split("-")[1] for d in spool.iterdir()] == [f"v{v + 2}"]
             bad = messages(state_dict(weights_root / "v2"), v + 3)
             bad[3].data.data = bytes(len(bad[3].data.data))  # zeroed chunk: checksum mismatch
             err = push(addr, bad)
             assert "CRC-32" in err.message and info(addr).policy_version == v + 2
+            assert [d.name.split("-")[1] for d in spool.iterdir()] == [f"v{v + 2}"]  # the refused one went
         finally:  # the shared engine goes back to the model's own weights
             push(addr, messages(state_dict(model_dir), info(addr).policy_version + 1, chunk_bytes=1 << 16))
