@@ -407,10 +407,10 @@ def _split_arrays(data: bytes) -> tuple[bytes, dict[str, memoryview]] | None:
     try:
         while pos < n:
             field_start = pos
-            tag, pos = _scan_varint(data, pos)
+            tag, pos = _read_varint(data, pos)
             kind = tag & 7
             if kind == 2:  # length-delimited
-                size, pos = _scan_varint(data, pos)
+                size, pos = _read_varint(data, pos)
                 end = pos + size
                 if end > n:
                     return None
@@ -421,12 +421,12 @@ def _split_arrays(data: bytes) -> tuple[bytes, dict[str, memoryview]] | None:
                     start = end
                 pos = end
             elif kind == 0:
-                _, pos = _scan_varint(data, pos)
+                _, pos = _read_varint(data, pos)
             elif kind in (1, 5):  # fixed 64 / 32 bits
                 pos += 8 if kind == 1 else 4
             else:
                 return None
-    except IndexError:  # a varint that runs off the end
+    except ValueError:  # a varint that runs off the end
         return None
     if pos != n:
         return None
@@ -434,19 +434,24 @@ def _split_arrays(data: bytes) -> tuple[bytes, dict[str, memoryview]] | None:
     return b"".join(header), arrays
 
 
-def _scan_varint(data: bytes, pos: int) -> tuple[int, int]:
-    """(value, position after it) of the varint at data[pos]; IndexError if it runs off the end."""
-    byte = data[pos]
-    if byte < 0x80:
-        return byte, pos + 1
-    value, shift = byte & 0x7F, 7
-    while True:
-        pos += 1
+def _read_varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """(value, position after it) of the varint at data[pos] — records and PushWeights messages alike;
+    ValueError when it runs past the end of the message (or past 64 bits)."""
+    try:
         byte = data[pos]
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos + 1
-        shift += 7
+        if byte < 0x80:  # most tags and small lengths: one byte
+            return byte, pos + 1
+        value, shift = byte & 0x7F, 7
+        while shift < 64:
+            pos += 1
+            byte = data[pos]
+            value |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                return value, pos + 1
+            shift += 7
+    except IndexError:
+        pass
+    raise ValueError("a message is truncated or malformed: a varint runs past its end")
 
 
 # ---- chunks ---------------------------------------------------------------------------------------
@@ -571,15 +576,6 @@ def push_chunk_to_pb(index: int, offset: int, data: bytes | memoryview) -> pb.We
     return pb.WeightsPushChunk(data=pb.TensorChunk(index=index, offset=offset, data=bytes(data)))
 
 
-def _push_varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def push_chunk_bytes(index: int, offset: int, data: bytes | memoryview) -> bytes:
     """`push_chunk_to_pb(index, offset, data).SerializeToString()`, built with one copy of `data` (a
     view of the trainer's tensor) instead of three (bytes(), the message, its serialization): the
@@ -588,28 +584,16 @@ def push_chunk_bytes(index: int, offset: int, data: bytes | memoryview) -> bytes
     n = memoryview(data).nbytes
     inner = b""
     if index:  # proto3 leaves zero scalars out, as SerializeToString does
-        inner += b"\x08" + _push_varint(index)  # TensorChunk.index = 1, varint
+        inner += b"\x08" + _varint(index)  # TensorChunk.index = 1, varint
     if offset:
-        inner += b"\x10" + _push_varint(offset)  # TensorChunk.offset = 2, varint
-    inner += b"\x1a" + _push_varint(n)  # TensorChunk.data = 3, length-delimited
+        inner += b"\x10" + _varint(offset)  # TensorChunk.offset = 2, varint
+    inner += b"\x1a" + _varint(n)  # TensorChunk.data = 3, length-delimited
     # WeightsPushChunk.data = 2, length-delimited
-    return b"".join((b"\x12", _push_varint(len(inner) + n), inner, data))
+    return b"".join((b"\x12", _varint(len(inner) + n), inner, data))
 
 
 _PUSH = pb.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name["PushWeights"]
 PUSH_WEIGHTS_METHOD = f"/{_PUSH.containing_service.full_name}/{_PUSH.name}"
-
-
-def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if i >= len(buf) or shift > 63:
-            raise ValueError("a PushWeights message is truncated or malformed (a varint runs past its end)")
-        b = buf[i]
-        value |= (b & 0x7F) << shift
-        i, shift = i + 1, shift + 7
-        if b < 0x80:
-            return value, i
 
 
 def _fields(buf: memoryview):
