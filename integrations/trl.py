@@ -16,8 +16,9 @@ What changes under TRL's training loop:
   records (temperature and replayed truncation as collate carries them), aggregated as TRL's
   `loss_type` says; TRL's `beta` KL-to-reference term is added the TRL way. Mask, divergence,
   mismatch and IS-weight metrics land in TRL's logs as `maskroll/*`.
-- **Weights**: after every `publish_every` optimiser steps, `CheckpointPublisher` writes the policy
-  under the replicas' `--weights-root` and every live replica loads it as the next version.
+- **Weights**: after every `publish_every` optimiser steps the policy reaches every live replica as the
+  next version: streamed over gRPC (`StreamPublisher`, the default with a queue: no shared filesystem)
+  or written under the replicas' `--weights-root` for them to load (`CheckpointPublisher`).
 
 Options whose meaning maskroll replaces or cannot honour are refused by name at construction
 (`UnsupportedOption`), never ignored. One process (no multi-GPU data parallelism), no PEFT adapters.
@@ -34,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -50,7 +51,7 @@ from maskroll.trainer_adapter import (
     policy_loss,
     token_logprobs,
 )
-from maskroll.weight_sync import CheckpointPublisher
+from maskroll.weight_sync import CheckpointPublisher, StreamPublisher
 
 from .rollouts import GrpcSource, Job, QueueSource, _Source
 
@@ -89,7 +90,12 @@ class MaskrollConfig:
     run: "new" starts a new training run on the namespace, "resume" continues its current run (the
         model is loaded from the run's latest checkpoint); None starts one only on an empty namespace.
     replicas: "host:port" of replicas to call directly over gRPC, used when `redis_url` is None.
-    weights_root: the directory the replicas were started with as `--weights-root` (shared volume).
+    weight_transport: how each new policy version reaches the replicas. "stream" (queue mode only):
+        PushWeights over gRPC, no shared filesystem; `weights_root`, if given, is only the trainer's own
+        copy for resuming. "directory": a checkpoint under `weights_root`, which must be the directory
+        the replicas were started with as `--weights-root` (a shared volume across machines). Default:
+        "stream" with redis_url, "directory" with direct gRPC addresses (a push needs the run's registry).
+    weights_root: see weight_transport.
     mask: the trust-region mask (method, divergence, estimator, δ); its top-K divergences use the
         records' top-K logprobs.
     logprobs_k: K top-K logprobs per sampled token (the replicas' `--max-logprobs` bounds it).
@@ -108,6 +114,7 @@ class MaskrollConfig:
     partitions: int = 1
     run: RunMode | None = None
     replicas: tuple[str, ...] = ()
+    weight_transport: Literal["stream", "directory"] | None = None
     weights_root: str | os.PathLike | None = None
     mask: MaskConfig = field(default_factory=MaskConfig)
     logprobs_k: int = 20
@@ -125,10 +132,22 @@ class MaskrollConfig:
             raise ValueError(
                 "MaskrollConfig needs redis_url (queue mode) or replicas (direct gRPC addresses)"
             )
-        if self.weights_root is None:
+        if self.weight_transport is None:  # frozen: set the default as the field's value
+            object.__setattr__(self, "weight_transport", "stream" if self.redis_url else "directory")
+        if self.weight_transport not in ("stream", "directory"):
             raise ValueError(
-                "MaskrollConfig.weights_root is required: the directory the replicas were started with as "
-                "--weights-root, where each new policy version is written for them to load"
+                f"MaskrollConfig.weight_transport={self.weight_transport!r}; expected 'stream' or 'directory'"
+            )
+        if self.weight_transport == "stream" and self.redis_url is None:
+            raise ValueError(
+                "MaskrollConfig.weight_transport='stream' needs redis_url: the push goes to the replicas of "
+                "the queue's registry; with direct gRPC addresses use weight_transport='directory'"
+            )
+        if self.weight_transport == "directory" and self.weights_root is None:
+            raise ValueError(
+                "MaskrollConfig.weights_root is required with weight_transport='directory': the directory "
+                "the replicas were started with as --weights-root, where each new policy version is written "
+                "for them to load"
             )
         if not isinstance(self.mask, MaskConfig):
             raise TypeError(f"MaskrollConfig.mask must be a MaskConfig, got {type(self.mask).__name__}")
@@ -481,7 +500,10 @@ class MaskrollGRPOTrainer(GRPOTrainer):
                 )
                 self._run_taken = True
                 source.wait_for_replicas(cfg.min_replicas)
-                self._publisher = CheckpointPublisher(source.queue, Path(cfg.weights_root), keep=2)
+                if cfg.weight_transport == "stream":
+                    self._publisher = StreamPublisher(source.queue, save_root=cfg.weights_root, keep=2)
+                else:
+                    self._publisher = CheckpointPublisher(source.queue, Path(cfg.weights_root), keep=2)
                 # The run's version on trainer and replicas: a resumed run loads its latest weights
                 # into the model; a new one publishes the model as version 0 to replicas serving others.
                 self._version = self._publisher.start(self.accelerator.unwrap_model(self.model))
@@ -495,6 +517,8 @@ class MaskrollGRPOTrainer(GRPOTrainer):
 
     def close(self) -> None:
         """Close the connection to the replicas (Redis / gRPC); `train` and `evaluate` reopen it."""
+        if isinstance(self._publisher, StreamPublisher):
+            self._publisher.close()  # its thread that catches up replicas joining late
         if self._source is not None:
             self.rollout_counts["stale_resubmitted"] += self._source.stats.stale_resubmitted
             self.rollout_counts["foreign"] += self._source.stats.foreign_dropped

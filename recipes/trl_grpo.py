@@ -58,8 +58,11 @@ def train(
     min_replicas: int = 1,
     run: Literal["new", "resume"] = "new",
     out_dir: Path | None = None,
+    weight_transport: Literal["stream", "directory"] = "stream",
 ) -> dict:
-    """Train against the replicas of `namespace` with MaskrollGRPOTrainer; returns grpo.train's summary."""
+    """Train against the replicas of `namespace` with MaskrollGRPOTrainer; returns grpo.train's summary.
+    weight_transport: "stream" pushes each version over gRPC (weights_root: the trainer's own copy),
+    "directory" writes it under weights_root, the replicas' --weights-root."""
     import transformers
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -103,6 +106,7 @@ def train(
         redis_url=redis_url,
         namespace=namespace,
         run="resume",
+        weight_transport=weight_transport,
         weights_root=weights_root,
         mask=cfg.mask_config(),
         logprobs_k=cfg.logprobs_k,

@@ -63,11 +63,6 @@ class DemoConfig:
     weight_transport: WeightTransport = "stream"
 
     @property
-    def transport(self) -> WeightTransport:
-        """The transport used: TRL's trainer publishes through CheckpointPublisher (directory) only."""
-        return "directory" if self.trainer == "trl" else self.weight_transport
-
-    @property
     def batch_size(self) -> int:
         return self.prompts_per_step * self.n
 
@@ -114,7 +109,7 @@ class Cluster:
                 "--pull",
                 "--replica-id",
                 f"demo-replica-{i}",
-                *(("--weights-root", str(self.weights)) if self.cfg.transport == "directory" else ()),
+                *(("--weights-root", str(self.weights)) if self.cfg.weight_transport == "directory" else ()),
                 "--max-logprobs",
                 str(self.cfg.logprobs_k),
                 "--drain-timeout-s",
@@ -195,11 +190,11 @@ def run(cfg: DemoConfig) -> dict:
     with Cluster(cfg, model_dir.resolve(), weights, out / "logs") as cluster:
         cluster.wait_ready()
         print(f"  replicas ready after {time.monotonic() - t_start:.0f} s", flush=True)
-        train = partial(grpo.train, weight_transport=cfg.transport)
+        train = partial(grpo.train, weight_transport=cfg.weight_transport)
         if cfg.trainer == "trl":
             from maskroll.recipes import trl_grpo
 
-            train = partial(trl_grpo.train, out_dir=out / "trl")
+            train = partial(trl_grpo.train, out_dir=out / "trl", weight_transport=cfg.weight_transport)
         result = train(
             grpo_config(cfg),
             redis_url=cluster.url,

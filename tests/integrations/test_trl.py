@@ -281,8 +281,14 @@ def test_unsupported_trl_options_are_refused_by_name(tmp_path):
             tools=[len],
             maskroll=cfg,
         )
-    with pytest.raises(ValueError, match="weights_root is required"):
-        MaskrollConfig(redis_url="redis://x")
+    assert MaskrollConfig(redis_url="redis://x").weight_transport == "stream"  # no shared filesystem
+    assert MaskrollConfig(replicas=("h:1",), weights_root=tmp_path).weight_transport == "directory"
+    with pytest.raises(ValueError, match="weights_root is required with weight_transport='directory'"):
+        MaskrollConfig(redis_url="redis://x", weight_transport="directory")
+    with pytest.raises(ValueError, match="'stream' needs redis_url"):
+        MaskrollConfig(replicas=("h:1",), weight_transport="stream")
+    with pytest.raises(ValueError, match="weight_transport='nfs'; expected 'stream' or 'directory'"):
+        MaskrollConfig(redis_url="redis://x", weight_transport="nfs")
     with pytest.raises(ValueError, match=r"redis_url .* or replicas"):
         MaskrollConfig(weights_root=tmp_path)
 
@@ -303,10 +309,18 @@ def test_queue_source_completes_a_batch_when_fewer_jobs_than_a_batch_are_in_flig
     that brought more than it needed) asks the queue only for what is missing — here one group, when a
     whole batch is two — and gets it, instead of waiting for a batch no job in flight can fill."""
     opts = SamplingOptions(max_tokens=4, logprobs_k=cluster.logprobs_k)
-    source = QueueSource(
-        cluster.redis_url, cluster.namespace, batch_size=2 * G, max_staleness=0, options=opts, timeout=60
-    )
     raw = redis.Redis.from_url(cluster.redis_url)
+    # The run the tests before this one left (its replicas serve its weights), or a new one if alone.
+    run = "resume" if raw.exists(StreamKeys(cluster.namespace).run) else "new"
+    source = QueueSource(
+        cluster.redis_url,
+        cluster.namespace,
+        batch_size=2 * G,
+        max_staleness=0,
+        options=opts,
+        timeout=60,
+        run=run,
+    )
     try:
         # The replicas keep the version the tests before this one left them at: train "at" that one.
         version = max(_replica_versions(cluster).values())
