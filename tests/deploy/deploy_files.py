@@ -11,6 +11,7 @@ Knows nothing of what the tests assert.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import copy
 import functools
@@ -21,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +35,7 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_GPU = DEPLOY / "compose.gpu.yaml"
 COMPOSE_TLS = DEPLOY / "compose.tls.yaml"
+COMPOSE_SHARED_WEIGHTS = DEPLOY / "compose.shared-weights.yaml"
 ENV_EXAMPLE = DEPLOY / ".env.example"
 K8S = DEPLOY / "k8s"
 KUSTOMIZATIONS = {
@@ -43,6 +46,29 @@ KUSTOMIZATIONS = {
     "tools": K8S / "tools",
     "tls-ca": K8S / "tls-ca",
 }
+SHARED_WEIGHTS = K8S / "components" / "shared-weights"
+# What an operator writes to opt in to the directory transport: a kustomization of the replicas' overlay
+# (or the trainer's) with the shared-weights component, in a directory of its own outside the repository.
+COMPOSED = {
+    "gpu+shared-weights": ("gpu", SHARED_WEIGHTS),
+    "trainer+shared-weights": ("trainer", SHARED_WEIGHTS),
+}
+_COMPOSED_ROOT = Path(tempfile.mkdtemp(prefix="maskroll-kustomize-"))
+atexit.register(shutil.rmtree, _COMPOSED_ROOT, ignore_errors=True)
+for _name, (_of, _component) in COMPOSED.items():
+    _dir = _COMPOSED_ROOT / _name
+    _dir.mkdir()
+    (_dir / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(KUSTOMIZATIONS[_of], _dir)],
+                "components": [os.path.relpath(_component, _dir)],
+            }
+        )
+    )
+    KUSTOMIZATIONS[_name] = _dir
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 
 
@@ -266,10 +292,13 @@ class Local:
         """A compose replica service's environment, localised."""
         env = dict(svc["environment"])
         mounts = {spec.split(":")[1] for spec in svc["volumes"]}
-        assert mounts == {env["MASKROLL_MODEL"], env["MASKROLL_WEIGHTS_ROOT"]}, "volumes and paths disagree"
+        # The model, and a weights root only where one is set (compose.shared-weights.yaml).
+        paths = {env["MASKROLL_MODEL"], env.get("MASKROLL_WEIGHTS_ROOT", env["MASKROLL_MODEL"])}
+        assert mounts == paths, f"volumes {sorted(mounts)} and paths {sorted(paths)} disagree"
+        if "MASKROLL_WEIGHTS_ROOT" in env:
+            env["MASKROLL_WEIGHTS_ROOT"] = str(self.weights)
         env.update(
             MASKROLL_MODEL=str(self.model),
-            MASKROLL_WEIGHTS_ROOT=str(self.weights),
             MASKROLL_HOST="127.0.0.1",  # not 0.0.0.0 on a shared machine
             MASKROLL_PORT=str(port),
             MASKROLL_METRICS_PORT=str(metrics_port),

@@ -1,9 +1,13 @@
 """Render deploy/k8s kustomizations: `kubectl kustomize` when kubectl is on PATH, else a small renderer.
 
 The small renderer implements exactly the kustomization features deploy/k8s uses — `resources` (files
-and directories), `patches` (inline JSON 6902 with a target), `namespace`, `labels` (metadata only,
-includeSelectors: false) and `images` — in kustomize's order (patches, namespace, labels, images). It
-refuses any other field, so a kustomization that outgrows it fails loudly instead of rendering wrong;
+and directories), `components` (a Component's resources and patches, applied to everything accumulated
+so far, before the kustomization's own transformers), `patches` (inline JSON 6902 with a target),
+`namespace`, `labels` (metadata only, includeSelectors: false) and `images` — in kustomize's order
+(components, patches, namespace, labels, images). A Kustomization's patch that matches nothing is
+refused (a typo would otherwise do nothing); a Component's is skipped, as kustomize skips it, since one
+component may serve kustomizations that hold different resources. It refuses any other field, so a
+kustomization that outgrows it fails loudly instead of rendering wrong;
 where kubectl exists, test_kustomize_lite compares the two outputs.
 """
 
@@ -16,7 +20,17 @@ from pathlib import Path
 
 import yaml
 
-SUPPORTED_FIELDS = {"apiVersion", "kind", "resources", "namespace", "labels", "images", "patches"}
+SUPPORTED_FIELDS = {
+    "apiVersion",
+    "kind",
+    "resources",
+    "components",
+    "namespace",
+    "labels",
+    "images",
+    "patches",
+}
+COMPONENT_FIELDS = {"apiVersion", "kind", "resources", "patches"}
 # Kinds our manifests use that are not namespaced (kustomize leaves their metadata.namespace unset).
 CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole", "ClusterRoleBinding"}
 CONTAINER_LISTS = ("containers", "initContainers", "ephemeralContainers")
@@ -53,6 +67,8 @@ def render_lite(path: Path) -> list[dict]:
             resources += render_lite(target)
         else:
             resources += [d for d in yaml.safe_load_all(target.read_text()) if d]
+    for entry in k.get("components", []):
+        _apply_component(resources, path / entry)
     for patch in k.get("patches", []):
         _apply_patch(resources, patch, kust_file)
     if "namespace" in k:
@@ -70,6 +86,20 @@ def render_lite(path: Path) -> list[dict]:
     return resources
 
 
+def _apply_component(resources: list[dict], path: Path) -> None:
+    kust_file = path / "kustomization.yaml"
+    c = yaml.safe_load(kust_file.read_text())
+    if c.get("kind") != "Component":
+        raise RenderError(f"{kust_file}: a component must be kind: Component, got {c.get('kind')!r}")
+    unsupported = set(c) - COMPONENT_FIELDS
+    if unsupported:
+        raise RenderError(f"{kust_file}: kustomize_lite does not implement {sorted(unsupported)} (component)")
+    for entry in c.get("resources", []):
+        resources += [d for d in yaml.safe_load_all((path / entry).read_text()) if d]
+    for patch in c.get("patches", []):
+        _apply_patch(resources, patch, kust_file, required=False)
+
+
 # ---- patches ----------------------------------------------------------------------------------------
 
 
@@ -82,14 +112,14 @@ def _matches(res: dict, target: dict) -> bool:
     return all(want[key] == value for key, value in target.items())
 
 
-def _apply_patch(resources: list[dict], patch: dict, where: Path) -> None:
+def _apply_patch(resources: list[dict], patch: dict, where: Path, required: bool = True) -> None:
     if set(patch) != {"target", "patch"}:
         raise RenderError(f"{where}: only inline patches with a target are implemented, got {sorted(patch)}")
     ops = yaml.safe_load(patch["patch"])
     if not isinstance(ops, list):
         raise RenderError(f"{where}: only JSON 6902 patches (a list of operations) are implemented")
     hits = [r for r in resources if _matches(r, patch["target"])]
-    if not hits:
+    if not hits and required:
         raise RenderError(f"{where}: patch target {patch['target']} matches no resource")
     for res in hits:
         json_patch(res, ops)

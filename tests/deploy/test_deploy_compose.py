@@ -17,6 +17,7 @@ import pytest
 from deploy_files import (
     COMPOSE,
     COMPOSE_GPU,
+    COMPOSE_SHARED_WEIGHTS,
     COMPOSE_TLS,
     ENV_EXAMPLE,
     InterpolationError,
@@ -71,7 +72,9 @@ def validate(schema: dict, doc: dict) -> list[str]:
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
 
 
-@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU, COMPOSE_TLS], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", [COMPOSE, COMPOSE_GPU, COMPOSE_TLS, COMPOSE_SHARED_WEIGHTS], ids=lambda p: p.name
+)
 def test_compose_files_match_the_compose_spec(path, env, compose_schema):
     assert validate(compose_schema, load_compose(path, env)) == []
     if path != COMPOSE:  # and what `docker compose -f compose.yaml -f <path>` runs
@@ -168,32 +171,61 @@ def _mounts(svc: dict) -> dict[str, tuple[str, str]]:
     return out
 
 
-def test_replicas_and_trainer_share_the_weights_volume_at_the_same_path(compose):
+def trainer_flags(trainer: dict) -> dict[str, str]:
+    argv = trainer["entrypoint"] + trainer["command"]
+    assert argv[:3] == ["maskroll", "demo", "--no-spawn"]
+    return dict(zip(argv[3::2], argv[4::2], strict=True))
+
+
+def test_replicas_share_only_the_model_and_get_weights_over_grpc(compose):
+    """The default needs no shared weights volume: the trainer pushes over gRPC (stream) and keeps its
+    own copy on a volume no replica mounts; replicas mount the model read-only and nothing else."""
     reps = replicas(compose)
     trainer = compose["services"]["trainer"]
     assert trainer["profiles"] == ["trainer"]
-    argv = trainer["entrypoint"] + trainer["command"]
-    assert argv[:3] == ["maskroll", "demo", "--no-spawn"]
-    flags = dict(zip(argv[3::2], argv[4::2], strict=True))
+    flags = trainer_flags(trainer)
     # No --redis-url: the demo reads MASKROLL_REDIS_URL, so the password is on no command line.
-    assert set(flags) == {"--namespace", "--weights-dir", "--model", "--out"}
-    weights_dir = flags["--weights-dir"]
+    assert set(flags) == {"--namespace", "--weight-transport", "--weights-dir", "--model", "--out"}
+    assert flags["--weight-transport"] == "stream"
+    own_source, own_mode = _mounts(trainer)[flags["--weights-dir"]]
+    assert own_source in compose["volumes"] and own_mode == "rw"
     for svc in reps.values():
         e = svc["environment"]
         assert trainer["environment"]["MASKROLL_REDIS_URL"] == e["MASKROLL_REDIS_URL"]
         assert flags["--namespace"] == e["MASKROLL_NAMESPACE"]
-        root = e["MASKROLL_WEIGHTS_ROOT"]
-        assert weights_dir == root or weights_dir.startswith(root.rstrip("/") + "/")
-        rep_source, rep_mode = _mounts(svc)[root]
-        assert rep_source in compose["volumes"] and rep_mode == "ro"
-        assert _mounts(trainer)[root] == (rep_source, "rw")
+        assert "MASKROLL_WEIGHTS_ROOT" not in e
+        assert set(_mounts(svc)) == {e["MASKROLL_MODEL"]}
         assert _mounts(svc)[e["MASKROLL_MODEL"]][1] == "ro"
         # The learner starts from the weights the replicas serve.
         assert flags["--model"] == e["MASKROLL_MODEL"]
         assert _mounts(trainer)[e["MASKROLL_MODEL"]][0] == _mounts(svc)[e["MASKROLL_MODEL"]][0]
+    assert set(compose["volumes"]) == {"redis-data", own_source}
     tokens = {svc["environment"]["MASKROLL_AUTH_TOKEN"] for svc in [*reps.values(), trainer]}
     assert len(tokens) == 1
     assert trainer["healthcheck"] == {"disable": True}
+
+
+def test_shared_weights_file_puts_replicas_and_trainer_on_one_weights_volume(compose, env):
+    """compose.shared-weights.yaml: the directory transport, the trainer writing where the replicas
+    read (their MASKROLL_WEIGHTS_ROOT, same volume, same path), the trainer's command otherwise equal."""
+    shared = merge_compose(compose, load_compose(COMPOSE_SHARED_WEIGHTS, env))
+    trainer = shared["services"]["trainer"]
+    flags = trainer_flags(trainer)
+    assert flags["--weight-transport"] == "directory"
+    assert {**flags, "--weight-transport": "stream"} == trainer_flags(compose["services"]["trainer"])
+    weights_dir = flags["--weights-dir"]
+    source, mode = _mounts(trainer)[weights_dir]
+    assert source in shared["volumes"] and mode == "rw"
+    reps = replicas(shared)
+    assert set(reps) == {"replica-1", "replica-2"}
+    for name, svc in reps.items():
+        e = svc["environment"]
+        assert e["MASKROLL_WEIGHTS_ROOT"] == weights_dir
+        assert _mounts(svc)[weights_dir] == (source, "ro")
+        # Everything else as compose.yaml has it.
+        plain = compose["services"][name]
+        assert {k: v for k, v in e.items() if k != "MASKROLL_WEIGHTS_ROOT"} == plain["environment"]
+        assert {t: m for t, m in _mounts(svc).items() if t != weights_dir} == _mounts(plain)
 
 
 def test_gpu_file_gives_each_replica_its_own_gpu_and_the_default_vllm_image(env):
@@ -210,7 +242,11 @@ def test_gpu_file_gives_each_replica_its_own_gpu_and_the_default_vllm_image(env)
     assert base["services"]["replica-1"]["build"]["args"]["VARIANT"] == "cpu"
 
 
-@pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE, COMPOSE_TLS)], ids=["plain", "tls"])
+@pytest.mark.parametrize(
+    "files",
+    [(COMPOSE,), (COMPOSE, COMPOSE_TLS), (COMPOSE, COMPOSE_SHARED_WEIGHTS)],
+    ids=["plain", "tls", "shared-weights"],
+)
 def test_no_secret_on_any_command_line(env, files):
     """Arguments are visible to every process on the host (`ps`); secrets travel in the environment."""
     compose = load_compose(files[0], env)
@@ -271,7 +307,7 @@ def test_the_tls_file_turns_on_tls_for_grpc_and_redis(compose, env):
 def test_trainer_command_trains_against_the_replicas(compose, env, tmp_path):
     """The compose deployment run outside containers: Redis with the .env password, both replicas with
     their environment, then the trainer service's command line (one short step) against them: it
-    must find the replicas, train, write a checkpoint where they can load it and broadcast it."""
+    must find the replicas, train, push the version to them and keep its own checkpoint."""
     from maskroll.server.model_init import init_model
 
     weights = tmp_path / "weights"
@@ -301,7 +337,7 @@ def test_trainer_command_trains_against_the_replicas(compose, env, tmp_path):
             out = subprocess.run(resolve_argv(argv), env=run_env, capture_output=True, text=True, timeout=600)
             assert out.returncode == 0, out.stdout + out.stderr
             assert (tmp_path / "summary.json").is_file()
-            assert any(weights.iterdir()), "no checkpoint under the replicas' weights root"
+            assert any(weights.iterdir()), "no checkpoint in the trainer's own weights directory"
             for replica, _ in started:
                 code, _ = replica.terminate(within=90)
                 assert code == 0, replica.output()

@@ -49,6 +49,7 @@ from deploy_files import (
 )
 
 from maskroll.client.local_redis import LocalRedis, free_port
+from maskroll.server import weight_stream
 from maskroll.server.config import ServerConfig, config_fields, load_config, vllm_available
 
 # Announced by the queue issue and used by compose.yaml / config.yaml; ServerConfig gains them there.
@@ -171,7 +172,9 @@ def test_every_maskroll_variable_set_by_the_deployment_is_a_server_config_field(
     assert "tensor_parallel_size" in used  # the engine's settings are part of the check
     # The health check's own variables (server/healthcheck.py), set next to the server's.
     healthcheck_only = {"healthcheck_tls_ca", "healthcheck_tls_server_name"}
-    unknown = used - set(config_fields()) - healthcheck_only
+    # Read by server/weight_stream.py where a push is received, not a ServerConfig field.
+    assert weight_stream.SPOOL_ENV == "MASKROLL_WEIGHTS_SPOOL" and "weights_spool" in used
+    unknown = used - set(config_fields()) - healthcheck_only - {"weights_spool"}
     assert unknown == set()
 
 
@@ -263,10 +266,10 @@ def k8s_case(model_dir: Path, weights: Path, redis_port: int, port: int, metrics
     cfg = one(resources, "ConfigMap", "maskroll-config")["data"]
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert PurePosixPath(cfg["MASKROLL_MODEL"]).parent.as_posix() in mounts
-    assert cfg["MASKROLL_WEIGHTS_ROOT"] in mounts
+    assert cfg["MASKROLL_WEIGHTS_SPOOL"] in mounts
     overrides = {
         "MASKROLL_MODEL": str(model_dir),
-        "MASKROLL_WEIGHTS_ROOT": str(weights),
+        "MASKROLL_WEIGHTS_SPOOL": str(weights),
         "MASKROLL_HOST": "127.0.0.1",
         "MASKROLL_PORT": str(port),
         "MASKROLL_METRICS_PORT": str(metrics_port),

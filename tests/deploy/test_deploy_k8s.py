@@ -17,6 +17,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 from deploy_files import (
+    COMPOSED,
     KUSTOMIZATIONS,
     SCHEMAS,
     container_env,
@@ -188,10 +189,10 @@ def test_ports_services_and_metrics_annotations_agree_with_the_config(name):
     assert cfg["MASKROLL_HOST"] == "0.0.0.0"
 
 
-@pytest.mark.parametrize("name", [*OVERLAYS, "trainer", "tools"])
+@pytest.mark.parametrize("name", [*OVERLAYS, "trainer", "tools", *COMPOSED])
 def test_every_referenced_secret_configmap_and_claim_exists(name):
     resources = rendered(name)
-    if name in ("trainer", "tools"):  # they run next to an overlay's ConfigMap, Secret and volume
+    if name.startswith(("trainer", "tools")):  # they run next to an overlay's ConfigMap, Secret and volume
         resources += [
             r for r in rendered("base") if r["kind"] in ("ConfigMap", "Secret", "PersistentVolumeClaim")
         ]
@@ -221,24 +222,105 @@ def test_every_referenced_secret_configmap_and_claim_exists(name):
                     assert ref["key"] in secret_values(secret), f"{ref} is not in the Secret"
 
 
-@pytest.mark.parametrize("name", [*OVERLAYS, "trainer"])
-def test_init_container_creates_the_shared_subpaths_with_the_main_image(name):
-    for workload in workloads(rendered(name)):
-        spec = pod_spec(workload)
-        subpaths = {
-            m["subPath"]
-            for c in spec["containers"]
-            for m in c.get("volumeMounts", [])
-            if m["name"] == "shared"
+def gib(quantity: str) -> float:
+    """A Kubernetes storage quantity ('64Gi', '500Mi', '1T') in GiB."""
+    units = {
+        "Ki": 2**-20,
+        "Mi": 2**-10,
+        "Gi": 1,
+        "Ti": 2**10,
+        "M": 1e6 / 2**30,
+        "G": 1e9 / 2**30,
+        "T": 1e12 / 2**30,
+    }
+    number = quantity.rstrip("KMGTi")
+    return float(number) * units[quantity[len(number) :]]
+
+
+def claims(resources: list[dict]) -> list[dict]:
+    """Every PersistentVolumeClaim: the resources and the StatefulSets' volumeClaimTemplates."""
+    templates = [t for w in workloads(resources) for t in w["spec"].get("volumeClaimTemplates", [])]
+    return find(resources, "PersistentVolumeClaim") + templates
+
+
+def volume(spec: dict, name: str) -> dict:
+    (found,) = [v for v in spec["volumes"] if v["name"] == name]
+    return found
+
+
+@pytest.mark.parametrize("name", [*OVERLAYS, "trainer", "tools"])
+def test_no_read_write_many_volume_without_the_shared_weights_component(name):
+    """The stream transport needs no shared writable volume: replicas read the model from a ReadOnlyMany
+    claim and receive pushed weights into an emptyDir of their own, twice the model's size (vLLM keeps
+    the serving version's file and receives the next beside it)."""
+    resources = rendered(name)
+    modes = {c["metadata"]["name"]: c["spec"]["accessModes"] for c in claims(resources)}
+    assert not [n for n, m in modes.items() if "ReadWriteMany" in m], modes
+    base = rendered("base")
+    assert {c["metadata"]["name"]: c["spec"]["accessModes"] for c in claims(base)} == {
+        "maskroll-model": ["ReadOnlyMany"],
+        "data": ["ReadWriteOnce"],  # Redis's AOF
+    }
+    if name not in OVERLAYS:
+        return
+    model_gib = gib(
+        one(base, "PersistentVolumeClaim", "maskroll-model")["spec"]["resources"]["requests"]["storage"]
+    )
+    spec = pod_spec(one(resources, "Deployment", "maskroll-replica"))
+    assert "initContainers" not in spec
+    cfg = config(resources)
+    assert "MASKROLL_WEIGHTS_ROOT" not in cfg, "no weights root: a checkpoint directory is refused"
+    mounts = {m["mountPath"]: m for m in replica_container(resources)["volumeMounts"]}
+    model_mount = mounts[str(PurePosixPath(cfg["MASKROLL_MODEL"]).parent)]
+    assert model_mount["readOnly"]
+    model = volume(spec, model_mount["name"])["persistentVolumeClaim"]
+    assert model == {"claimName": "maskroll-model", "readOnly": True}
+    spool_mount = mounts[cfg["MASKROLL_WEIGHTS_SPOOL"]]
+    assert not spool_mount.get("readOnly")
+    spool = volume(spec, spool_mount["name"])
+    assert set(spool) == {"name", "emptyDir"} and "medium" not in spool["emptyDir"], "on the node's disk"
+    assert gib(spool["emptyDir"]["sizeLimit"]) >= 2 * model_gib == 128
+
+
+@pytest.mark.parametrize("name", ["gpu", "trainer"])
+def test_shared_weights_component_adds_one_rwx_volume_and_the_directory_transport(name):
+    """The opt-in directory transport: the component adds the ReadWriteMany claim, mounts it read-only
+    at the replicas' weights root and read-write at the trainer's --weights-dir, switches the trainer to
+    `--weight-transport directory`, and changes nothing else."""
+    plain, shared = rendered(name), rendered(f"{name}+shared-weights")
+    pvc = one(shared, "PersistentVolumeClaim", "maskroll-weights")
+    assert (
+        pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+        and gib(pvc["spec"]["resources"]["requests"]["storage"]) == 200
+    )
+    workload = one(plain, "Deployment" if name == "gpu" else "Job")
+    assert pvc["metadata"]["namespace"] == workload["metadata"]["namespace"] == "maskroll"
+    rest = [r for r in shared if r is not pvc]
+    if name == "gpu":
+        cfg = config(rest)
+        assert cfg.pop("MASKROLL_WEIGHTS_ROOT") == "/weights"
+        deployment = one(rest, "Deployment", "maskroll-replica")
+        spec = pod_spec(deployment)
+        mount = spec["containers"][0]["volumeMounts"].pop()
+        assert mount == {"name": "weights", "mountPath": "/weights", "readOnly": True}
+        assert spec["volumes"].pop() == {
+            "name": "weights",
+            "persistentVolumeClaim": {"claimName": "maskroll-weights", "readOnly": True},
         }
-        if not subpaths:
-            continue
-        (init,) = spec["initContainers"]
-        (mount,) = init["volumeMounts"]
-        assert mount["name"] == "shared" and not mount.get("readOnly")
-        created = init["command"][-1].removeprefix("mkdir -p ").split()
-        assert {c.removeprefix(mount["mountPath"] + "/") for c in created} == subpaths
-        assert init["image"] == spec["containers"][0]["image"]
+        assert cfg["MASKROLL_WEIGHTS_SPOOL"] == "/spool", "pushes still work: the spool stays"
+    else:
+        job = one(rest, "Job", "maskroll-trainer")
+        (container,) = pod_spec(job)["containers"]
+        flags = dict(zip(container["args"][2::2], container["args"][3::2], strict=True))
+        assert flags["--weight-transport"] == "directory" and flags["--weights-dir"] == "/weights"
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == flags["--weights-dir"]]
+        assert not mount.get("readOnly")
+        claim = volume(pod_spec(job), mount["name"])["persistentVolumeClaim"]
+        assert claim == {"claimName": "maskroll-weights"}
+        claim["claimName"] = "maskroll-trainer"
+        container["args"][container["args"].index("directory")] = "stream"
+    key = lambda r: (r["kind"], r["metadata"]["name"])  # noqa: E731
+    assert sorted(rest, key=key) == sorted(plain, key=key), "the component changed something else"
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
@@ -511,7 +593,7 @@ def test_no_secret_on_any_command_line(name):
             assert not any(s in a for s in secrets for a in argv), (workload["metadata"]["name"], argv)
 
 
-@pytest.mark.parametrize("name", [*OVERLAYS, "trainer", "tools"])
+@pytest.mark.parametrize("name", [*OVERLAYS, "trainer", "tools", *COMPOSED])
 def test_every_scratch_volume_is_bounded(name):
     for workload in workloads(rendered(name)):
         for volume in pod_spec(workload).get("volumes", []):
@@ -561,14 +643,25 @@ def test_trainer_job_matches_the_replicas_namespace_weights_and_labels():
     assert expand_k8s(flags["--namespace"], env) == replica_env["MASKROLL_NAMESPACE"]
     assert expand_k8s(flags["--model"], env) == replica_env["MASKROLL_MODEL"]
     assert flags["--out"].startswith("/tmp/"), "the root filesystem is read-only; /tmp is an emptyDir"
-    root = replica_env["MASKROLL_WEIGHTS_ROOT"]
-    assert flags["--weights-dir"] == root or flags["--weights-dir"].startswith(root.rstrip("/") + "/")
+    # Weights go over gRPC; the trainer's own copy (to resume from) is on a claim only it mounts.
+    assert flags["--weight-transport"] == "stream"
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
-    replica_mounts = {m["mountPath"]: m for m in replica["volumeMounts"]}
-    assert mounts[root]["subPath"] == replica_mounts[root]["subPath"]
-    assert not mounts[root].get("readOnly") and replica_mounts[root]["readOnly"]
-    model_mount = str(PurePosixPath(replica_env["MASKROLL_MODEL"]).parent)
-    assert mounts[model_mount]["subPath"] == replica_mounts[model_mount]["subPath"]
+    own = volume(pod_spec(job), mounts[flags["--weights-dir"]]["name"])["persistentVolumeClaim"]
+    assert own == {"claimName": "maskroll-trainer"} and not mounts[flags["--weights-dir"]].get("readOnly")
+    assert one(rendered("trainer"), "PersistentVolumeClaim", "maskroll-trainer")["spec"]["accessModes"] == [
+        "ReadWriteOnce"
+    ]
+    replica_claims = {
+        v["persistentVolumeClaim"]["claimName"]
+        for v in pod_spec(one(base, "Deployment", "maskroll-replica"))["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+    assert replica_claims == {"maskroll-model"}
+    # The learner starts from the model the replicas serve: the same claim, read-only, at the same path.
+    model_mount = mounts[str(PurePosixPath(replica_env["MASKROLL_MODEL"]).parent)]
+    assert model_mount["readOnly"]
+    model = volume(pod_spec(job), model_mount["name"])["persistentVolumeClaim"]
+    assert model == {"claimName": "maskroll-model", "readOnly": True}
     assert "/tmp" in mounts
     assert job["metadata"]["namespace"] == one(base, "Deployment")["metadata"]["namespace"]
     assert selects({"matchLabels": TRAINER}, template_labels(job))
