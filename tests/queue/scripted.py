@@ -1,4 +1,5 @@
-"""A scripted job runner for fast queue tests: deterministic records without a model.
+"""A scripted job runner for fast queue tests: deterministic records without a model, and an in-process
+pull-mode replica that runs it.
 
 Only the queue paths are under test here; the real engines feed the same publisher and puller in
 tests/queue/test_replicas.py.
@@ -6,11 +7,17 @@ tests/queue/test_replicas.py.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 
 import numpy as np
 
 from maskroll.client.records import PromptJob, RolloutRecord, Semantics, rollout_id_for
+from maskroll.client.redis_conn import open_redis
+from maskroll.client.streams import StreamKeys
+from maskroll.server.publisher import RolloutPublisher
+from maskroll.server.puller import PromptPuller
 
 
 def scripted_records(job: PromptJob, *, version: int = 0, replica: str = "scripted") -> list[RolloutRecord]:
@@ -43,3 +50,48 @@ def scripted_records(job: PromptJob, *, version: int = 0, replica: str = "script
             )
         )
     return out
+
+
+@contextlib.asynccontextmanager
+async def scripted_replica(
+    url: str,
+    ns: str,
+    name: str = "rep-a",
+    *,
+    partitions: int = 1,
+    run_job=None,
+    delay: float = 0.01,
+    claim_idle_s: float = 60.0,
+    supervise: bool = False,
+):
+    """An in-process pull-mode replica (puller + publisher) running `run_job` (default: scripted records
+    after `delay` s), connected as `maskroll serve` connects (cluster mode detected). supervise: run the
+    puller as `serve` does, restarted after an error (its `failure()` says why); otherwise an error
+    ends it and surfaces when the replica is left."""
+    r, cluster = await open_redis(url)
+    keys = StreamKeys(ns, partitions, cluster)
+
+    async def default(job):
+        await asyncio.sleep(delay)
+        return scripted_records(job, replica=name)
+
+    puller = PromptPuller(
+        r,
+        keys,
+        name,
+        run_job or default,
+        RolloutPublisher(r, keys.rollouts, keys=keys),
+        concurrency=4,
+        claim_idle_s=claim_idle_s,
+        heartbeat_ttl_s=2.0,
+        replica_info=lambda: {"address": "127.0.0.1:1"},
+    )
+    task = asyncio.create_task(puller.supervise() if supervise else puller.run())
+    try:
+        yield puller
+    finally:
+        puller.stop()
+        await puller.drain(5)
+        await asyncio.wait_for(task, 10)
+        await puller.unregister()
+        await r.aclose()

@@ -19,7 +19,7 @@ import pytest
 import redis
 from procs import Replicas
 from redis.exceptions import RedisClusterException
-from scripted import scripted_records
+from scripted import scripted_replica
 from test_replicas import OPTS as MODEL_OPTS
 from test_replicas import _collect
 
@@ -29,43 +29,15 @@ from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
 from maskroll.client.redis_conn import open_redis, transaction
 from maskroll.client.streams import REPLICA_GROUP, StreamKeys
 from maskroll.server.model_init import encode_text
-from maskroll.server.publisher import RolloutPublisher
-from maskroll.server.puller import PromptPuller
 
 OPTS = SamplingOptions(max_tokens=6, logprobs_k=3)
 
 
-@contextlib.asynccontextmanager
-async def replica(url: str, ns: str, partitions: int, name: str, *, delay: float = 0.01):
-    """An in-process pull-mode replica (puller + publisher) with scripted records, connected as
-    `maskroll serve` connects (cluster mode detected)."""
-    r, cluster = await open_redis(url)
-    keys = StreamKeys(ns, partitions, cluster)
-
-    async def run_job(job):
-        await asyncio.sleep(delay)
-        return scripted_records(job, replica=name)
-
-    puller = PromptPuller(
-        r,
-        keys,
-        name,
-        run_job,
-        RolloutPublisher(r, keys.rollouts, keys=keys),
-        concurrency=4,
-        claim_idle_s=2.0,
-        heartbeat_ttl_s=2.0,
-        replica_info=lambda: {"address": "127.0.0.1:1"},
+def replica(url: str, ns: str, partitions: int, name: str, *, delay: float = 0.01):
+    """A scripted in-process replica on `partitions`, supervised as `maskroll serve` runs its puller."""
+    return scripted_replica(
+        url, ns, name, partitions=partitions, delay=delay, claim_idle_s=2.0, supervise=True
     )
-    task = asyncio.create_task(puller.supervise())
-    try:
-        yield puller
-    finally:
-        puller.stop()
-        await puller.drain(5)
-        await asyncio.wait_for(task, 10)
-        await puller.unregister()
-        await r.aclose()
 
 
 def test_partitioned_round_trip_on_the_cluster(redis_cluster, namespace):

@@ -7,11 +7,10 @@ dead-lettered, staleness and admission control enforced, clear errors when Redis
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 import redis
-from scripted import scripted_records
+from scripted import scripted_records, scripted_replica
 
 from maskroll.client import (
     AsyncRolloutQueue,
@@ -26,41 +25,12 @@ from maskroll.client.local_redis import LocalRedis
 from maskroll.client.redis_conn import connect
 from maskroll.client.streams import F_JOB, F_RECORD, StreamKeys
 from maskroll.server.publisher import PublishTimeout, RolloutPublisher
-from maskroll.server.puller import JobRejected, PromptPuller
+from maskroll.server.puller import JobRejected
 
 OPTS = SamplingOptions(max_tokens=6, logprobs_k=3)
 
 
-@contextlib.asynccontextmanager
-async def replica(url: str, ns: str, name: str = "rep-a", *, run_job=None, claim_idle_s: float = 60.0):
-    """An in-process pull-mode replica (puller + publisher) running `run_job`."""
-    r = connect(url)
-    keys = StreamKeys(ns)
-
-    async def default(job):
-        await asyncio.sleep(0.01)
-        return scripted_records(job, replica=name)
-
-    puller = PromptPuller(
-        r,
-        keys,
-        name,
-        run_job or default,
-        RolloutPublisher(r, keys.rollouts),
-        concurrency=4,
-        claim_idle_s=claim_idle_s,
-        heartbeat_ttl_s=2.0,
-        replica_info=lambda: {"address": "127.0.0.1:1"},
-    )
-    task = asyncio.create_task(puller.run())
-    try:
-        yield puller
-    finally:
-        puller.stop()
-        await puller.drain(5)
-        await asyncio.wait_for(task, 10)
-        await puller.unregister()
-        await r.aclose()
+replica = scripted_replica  # (url, ns, name, *, run_job=None, claim_idle_s=60.0)
 
 
 def test_all_rollouts_arrive_once_in_whole_groups(redis_server, namespace):
