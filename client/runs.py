@@ -5,7 +5,7 @@ One small hash per namespace, `maskroll:<ns>:run` (`StreamKeys.run`; docs/record
     run_id      32 hex characters, new for every run
     version     the last policy version published in the run (0: the weights the run started from)
     checkpoint  where that version's weights are (a directory under the replicas' weights root, or
-                "stream" when the trainer pushes them over gRPC);
+                "stream" when the trainer pushes them over gRPC, "collective" over NCCL);
                 "" while the run has published nothing
     started_at, updated_at   unix seconds
     started_by  the consumer name of the trainer that started the run
