@@ -459,6 +459,7 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             logprobs_k=maskroll.logprobs_k,
         )
         self._source: _Source | None = None
+        self._publisher: StreamPublisher | CheckpointPublisher | None = None  # made with the source
         self._run_taken = False
         # Counts for reports (rollouts unless named): trained, confirmed, completion tokens, the
         # rollout source's stale resubmissions and foreign drops; replicas of the last batch.
@@ -517,8 +518,8 @@ class MaskrollGRPOTrainer(GRPOTrainer):
 
     def close(self) -> None:
         """Close the connection to the replicas (Redis / gRPC); `train` and `evaluate` reopen it."""
-        if isinstance(self._publisher, StreamPublisher):
-            self._publisher.close()  # its thread that catches up replicas joining late
+        if self._publisher is not None:
+            self._publisher.close()  # a StreamPublisher's thread that catches up replicas joining late
         if self._source is not None:
             self.rollout_counts["stale_resubmitted"] += self._source.stats.stale_resubmitted
             self.rollout_counts["foreign"] += self._source.stats.foreign_dropped

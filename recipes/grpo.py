@@ -288,8 +288,7 @@ def train(
         for rep in q.replicas():  # ask each replica: heartbeats refresh only every few seconds
             with SyncRolloutClient(rep.address, **auth) as c:
                 replica_versions[rep.replica_id] = c.info().policy_version
-        if isinstance(publisher, StreamPublisher):
-            publisher.close()  # its follower thread uses the queue, which closes next
+        publisher.close()  # a StreamPublisher's follower thread uses the queue, which closes next
         q.cancel_pending_jobs()  # prompts no replica started would only be refused by the next run
         queue_stats = asdict(q.stats)
     return {

@@ -159,6 +159,10 @@ class CheckpointPublisher:
         self._prune(version)
         return results
 
+    def close(self) -> None:
+        """Nothing to release (no thread, no connection of its own): here so that a trainer closes either
+        publisher the same way (StreamPublisher.close stops its follower thread)."""
+
     def _checked(self, version: int, broadcast) -> dict[str, str]:
         try:
             results = broadcast()
