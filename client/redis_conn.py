@@ -142,10 +142,10 @@ async def open_redis(
     rc = connect_cluster(
         url, retries=retries, socket_timeout=socket_timeout, failover_budget_s=failover_budget_s
     )
-    # Initialise now, on this event loop: redis-py 8.1's cluster transactions queue each command from a
-    # thread of its own with its own loop, and a client not initialised yet would be initialised there —
-    # concurrently, with a lock bound to another loop (RuntimeError) — when its first use is a
-    # transaction (a replica's first publish).
+    # Discover the cluster now, on this event loop: an unreachable or half-formed cluster is reported
+    # here, by the caller that opened it, and no later path can initialise the client from another loop
+    # (redis-py 8.1's own cluster transactions did, from a thread per command — RuntimeError, a lock
+    # bound to another loop; maskroll runs its transactions as scripts instead, see `transaction`).
     try:
         await call(rc.initialize(), url)
     except BaseException:
