@@ -46,7 +46,6 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 NAMESPACE = "scale"
 PUBLISHERS = 64  # publishes in flight at once in the producer process
-RUN_ID = "scale-run"
 
 
 def _bench_queue():
@@ -115,7 +114,6 @@ async def _produce(cfg: Config, url: str, ns: str, t0: float, out) -> None:
                     group_id=job,
                     request_id=job,
                     rollout_id=f"{job[:30]}{j:02d}",
-                    run_id=RUN_ID,
                     created_at=now,
                 )
                 for j, x in enumerate(tpl)
@@ -226,14 +224,16 @@ def full_syncs(store) -> int:
 
 
 def claim_run(url: str, cfg: Config, ns: str) -> None:
-    """RUN_ID owns `ns` at version 0, so the trainers resume it and accept the simulated records."""
+    """The run of the queue bench's record templates (bench/queue.py BENCH_RUN) owns `ns` at version 0,
+    so the trainers resume it and accept the simulated records."""
+    run_id = _bench_queue().BENCH_RUN
     from maskroll.client.redis_conn import open_redis
     from maskroll.client.streams import StreamKeys
 
     async def go():
         r, cluster = await open_redis(url)
         keys = StreamKeys(ns, cfg.partitions, cluster=cluster)
-        await r.hset(keys.run, mapping={"run_id": RUN_ID, "version": "0", "started_by": "bench/scale.py"})
+        await r.hset(keys.run, mapping={"run_id": run_id, "version": "0", "started_by": "bench/scale.py"})
         await r.aclose()
 
     asyncio.run(go())
