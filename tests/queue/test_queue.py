@@ -55,6 +55,36 @@ def test_all_rollouts_arrive_once_in_whole_groups(redis_server, namespace):
     asyncio.run(main())
 
 
+def test_at_least_takes_fewer_records_once_and_keeps_the_batch_size(redis_server, namespace):
+    """next_batch(at_least=N): whole groups adding up to ≥ N this once, the batch size and in-flight limit
+    unchanged; an N outside 1..batch_size is refused by value, and the queue serves the next call."""
+
+    async def main():
+        async with (
+            AsyncRolloutQueue(redis_server.url, namespace, batch_size=8, max_staleness=1) as q,
+            replica(redis_server.url, namespace),
+        ):
+            job = await q.submit([1, 2, 3], OPTS, n=4)  # one group: half a batch
+            for bad in (0, 9):
+                with pytest.raises(
+                    ValueError, match=rf"at_least={bad}; expected 1 <= at_least <= batch_size \(8\)"
+                ):
+                    await q.next_batch(at_least=bad, timeout=5)
+            batch = await q.next_batch(at_least=4, timeout=20)
+            assert sorted(r.sample_index for r in batch) == [
+                0,
+                1,
+                2,
+                3,
+            ]  # the one whole group, not a wait for 8
+            assert {r.job_id for r in batch} == {job}
+            assert q.batch_size == 8 and q.max_in_flight == 16
+            await q.ack(batch)
+            assert q.in_flight == 0
+
+    asyncio.run(main())
+
+
 def test_trainer_dying_before_ack_leaves_records_for_the_next(redis_server, namespace):
     async def main():
         async with replica(redis_server.url, namespace):
