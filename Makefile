@@ -44,6 +44,6 @@ bench: venv
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
 
-# Regenerate client/_proto from proto/maskroll/v1/*.proto (tests/test_wire.py fails when it is stale).
+# Regenerate proto/_generated from proto/maskroll/v1/*.proto (tests/test_wire.py fails when it is stale).
 proto: venv
-	$(PY) proto/generate.py
+	$(PY) -m maskroll.proto.generate

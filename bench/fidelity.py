@@ -96,7 +96,7 @@ def run_study(study: Study, workdir: Path, log=print) -> list[dict]:
     import torch
     from fidelity_run import RunConfig, run
 
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
 
     torch.set_num_threads(1)  # the box is small and shared; the engine's decode thread takes the other core
     runs, total, t0 = [], len(study.seeds) * len(study.settings), time.perf_counter()

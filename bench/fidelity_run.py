@@ -33,9 +33,9 @@ from fidelity_stats import Counts, add, disagreement_counts, rule_counts
 
 from maskroll.recipes import digits
 from maskroll.recipes.grpo import completion_logits, masks
-from maskroll.server.engine import EngineRequest, SamplingParams
-from maskroll.server.records_builder import RecordHeader, SampleBuilder, semantics_for
-from maskroll.server.torch_engine import TorchEngine
+from maskroll.server.engines.contract import EngineRequest, SamplingParams
+from maskroll.server.engines.torch_engine import TorchEngine
+from maskroll.server.generation.records_builder import RecordHeader, SampleBuilder, semantics_for
 from maskroll.trainer_adapter import MaskConfig, MaskResult, collate, policy_loss, token_logprobs
 from maskroll.trainer_adapter.collate import Batch
 from maskroll.trainer_adapter.config import Divergence, Estimator

@@ -60,7 +60,8 @@ def prompts(n: int) -> list[list[int]]:
 
 
 async def grpc_client(address: str, n: int, tokens: int, k: int) -> dict:
-    from maskroll.client import RolloutClient, SamplingOptions, wire
+    from maskroll.client import RolloutClient, SamplingOptions
+    from maskroll.proto import wire
 
     async with RolloutClient(address, token=TOKEN) as client:
         await client.info()  # connected before the clock starts
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="maskroll-bench-http-") as tmp:
         if args.engine == "vllm":
-            from maskroll.server.vllm_engine import default_cache_env
+            from maskroll.server.engines.vllm_engine import default_cache_env
 
             default_cache_env(Path(tmp) / "vllm-env")  # caches and IPC sockets of this run only
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -328,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         model_dir = args.model
         if model_dir is None:
-            from maskroll.server.model_init import init_model
+            from maskroll.app.model_init import init_model
 
             model_dir = init_model(Path(tmp) / "model", seed=0)
         result = asyncio.run(bench(args, model_dir))

@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from transformers import AutoModelForCausalLM
 
+    from maskroll.app.model_init import init_model
     from maskroll.client import RolloutQueue, SamplingOptions, SyncRolloutClient
-    from maskroll.client.local_redis import LocalRedis
-    from maskroll.server.model_init import init_model
+    from maskroll.local.redis_server import LocalRedis
     from maskroll.weight_sync.collective import CollectivePublisher
 
     with tempfile.TemporaryDirectory(prefix="maskroll-nccl-") as d:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {size / 1e9:.2f} GB bf16 ({a.layers} layers, hidden {a.hidden})", flush=True)
         with LocalRedis() as srv:
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", "MASKROLL_REDIS_URL": srv.url}
-            cmd = [sys.executable, "-m", "maskroll.server.cli", "serve", "--model", str(model_dir)]
+            cmd = [sys.executable, "-m", "maskroll.app.cli", "serve", "--model", str(model_dir)]
             cmd += [
                 "--engine",
                 "vllm",

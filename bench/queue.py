@@ -107,7 +107,7 @@ BENCH_RUN = "bench-run"
 
 def claim_run(admin, ns: str) -> None:
     """Record BENCH_RUN as `ns`'s run (sync client), so consumers open it with run="resume"."""
-    from maskroll.client.streams import StreamKeys
+    from maskroll.proto.streams import StreamKeys
 
     admin.hset(StreamKeys(ns).run, mapping={"run_id": BENCH_RUN, "version": "0", "started_by": "bench"})
 
@@ -116,7 +116,7 @@ def templates(tokens: int, k: int, group: int, seed: int = 0) -> list:
     """One job's records with distinct arrays per sample; ids are replaced per job."""
     import numpy as np
 
-    from maskroll.client.records import RolloutRecord, Semantics
+    from maskroll.proto.records import RolloutRecord, Semantics
 
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, VOCAB, PROMPT_TOKENS, dtype=np.int32)
@@ -152,7 +152,7 @@ def templates(tokens: int, k: int, group: int, seed: int = 0) -> list:
 def job_records(tpl: list, job_id: str) -> list:
     from dataclasses import replace
 
-    from maskroll.client.records import rollout_id_for
+    from maskroll.proto.records import rollout_id_for
 
     return [
         replace(r, rollout_id=rollout_id_for(job_id, i), request_id=job_id, job_id=job_id, group_id=job_id)
@@ -162,7 +162,7 @@ def job_records(tpl: list, job_id: str) -> list:
 
 def payload_bytes(tpl: list) -> list[int]:
     """len(encode_record) per sample index, with ids of the real length (all ids are 32 hex chars)."""
-    from maskroll.client import wire
+    from maskroll.proto import wire
 
     return [len(wire.encode_record(r)) for r in job_records(tpl, uuid.uuid4().hex)]
 
@@ -170,7 +170,7 @@ def payload_bytes(tpl: list) -> list[int]:
 def encoded_pool(tpl: list) -> list[list[bytes]]:
     """Four distinct jobs, encoded before the clock starts, that the raw producers cycle through (the raw
     consumers never look at ids)."""
-    from maskroll.client import wire
+    from maskroll.proto import wire
 
     return [[wire.encode_record(x) for x in job_records(tpl, uuid.uuid4().hex)] for _ in range(4)]
 
@@ -221,8 +221,8 @@ def job_sender(mode: str, url: str, stream: str, tpl: list, pool: list, max_len:
 
     The timed producer and --breakdown's producer steps both send through it."""
     if mode == "maskroll":
-        from maskroll.client.redis_conn import connect
-        from maskroll.server.publisher import RolloutPublisher
+        from maskroll.proto.redis_conn import connect
+        from maskroll.server.pull.publisher import RolloutPublisher
 
         r = connect(url)  # as `maskroll serve` builds the publisher's client
         pub = RolloutPublisher(r, stream, max_len=max_len)
@@ -234,8 +234,8 @@ def job_sender(mode: str, url: str, stream: str, tpl: list, pool: list, max_len:
 
     import redis.asyncio as aioredis
 
-    from maskroll.client import wire
-    from maskroll.client.streams import F_RECORD
+    from maskroll.proto import wire
+    from maskroll.proto.streams import F_RECORD
 
     r = aioredis.Redis.from_url(url)
 
@@ -262,7 +262,7 @@ def job_sender(mode: str, url: str, stream: str, tpl: list, pool: list, max_len:
 
 
 def producer(cfg: dict, ready, go, acked, results) -> None:
-    from maskroll.client.streams import StreamKeys
+    from maskroll.proto.streams import StreamKeys
 
     mode, stream = cfg["mode"], StreamKeys(cfg["namespace"]).rollouts
     tpl = templates(cfg["tokens"], cfg["k"], GROUP)
@@ -298,8 +298,8 @@ def entry_ids(entries: list, decode: bool) -> list:
     """The ids of one XREADGROUP reply's entries; with `decode`, every payload is decode_record'd first."""
     ids = [entry_id for entry_id, _ in entries]
     if decode:
-        from maskroll.client import wire
-        from maskroll.client.streams import F_RECORD
+        from maskroll.proto import wire
+        from maskroll.proto.streams import F_RECORD
 
         recs = [wire.decode_record(fields[F_RECORD]) for _, fields in entries]
         assert len(recs) == len(ids)
@@ -336,7 +336,7 @@ def create_group(r, stream: str) -> None:
     """The trainer group on `stream` (made with the stream), unless it exists: sync client."""
     import redis
 
-    from maskroll.client.streams import TRAINER_GROUP
+    from maskroll.proto.streams import TRAINER_GROUP
 
     try:
         r.xgroup_create(stream, TRAINER_GROUP, id="0", mkstream=True)
@@ -349,7 +349,7 @@ def consume_raw(cfg: dict, ready, go, acked) -> dict:
     """Synchronous redis.Redis: XREADGROUP COUNT 64 → (decode) → XACK + XDEL."""
     import redis
 
-    from maskroll.client.streams import TRAINER_GROUP, StreamKeys
+    from maskroll.proto.streams import TRAINER_GROUP, StreamKeys
 
     stream, decode = StreamKeys(cfg["namespace"]).rollouts, cfg["mode"] in DECODING
     r = redis.Redis.from_url(cfg["url"])
@@ -375,7 +375,7 @@ async def consume_raw_async(cfg: dict, ready, go, acked) -> dict:
     import redis
     import redis.asyncio as aioredis
 
-    from maskroll.client.streams import TRAINER_GROUP, StreamKeys
+    from maskroll.proto.streams import TRAINER_GROUP, StreamKeys
 
     stream, decode = StreamKeys(cfg["namespace"]).rollouts, cfg["mode"] in DECODING
     with redis.Redis.from_url(cfg["url"]) as setup:  # before the clock: the client type does not matter
@@ -658,7 +658,7 @@ def best_of_3(admin, n: int, setup, step) -> dict:
 
 async def produce_alone(url: str, mode: str, tpl: list, pool: list, n: int) -> None:
     """n records into a fresh stream as `mode`'s producer sends them, with no consumer and no window."""
-    from maskroll.client.streams import StreamKeys
+    from maskroll.proto.streams import StreamKeys
 
     stream = StreamKeys(f"b{uuid.uuid4().hex[:6]}").rollouts
     r, _, send = job_sender(mode, url, stream, tpl, pool, max_len=10**9)
@@ -670,8 +670,8 @@ async def produce_alone(url: str, mode: str, tpl: list, pool: list, n: int) -> N
 
 def fill(admin, tpl: list, n: int) -> str:
     """A fresh namespace whose stream (with the trainer group) holds n encoded records; returns it."""
-    from maskroll.client import wire
-    from maskroll.client.streams import F_RECORD, TRAINER_GROUP, StreamKeys
+    from maskroll.proto import wire
+    from maskroll.proto.streams import F_RECORD, TRAINER_GROUP, StreamKeys
 
     ns = f"b{uuid.uuid4().hex[:6]}"
     keys = StreamKeys(ns)
@@ -688,7 +688,7 @@ def fill(admin, tpl: list, n: int) -> str:
 def drain_raw(url: str, ns: str, n: int, decode: bool) -> None:
     import redis
 
-    from maskroll.client.streams import TRAINER_GROUP, StreamKeys
+    from maskroll.proto.streams import TRAINER_GROUP, StreamKeys
 
     stream, r, got = StreamKeys(ns).rollouts, redis.Redis.from_url(url), 0
     while got < n:
@@ -701,7 +701,7 @@ def drain_raw(url: str, ns: str, n: int, decode: bool) -> None:
 async def drain_raw_async(url: str, ns: str, n: int, decode: bool) -> None:
     import redis.asyncio as aioredis
 
-    from maskroll.client.streams import TRAINER_GROUP, StreamKeys
+    from maskroll.proto.streams import TRAINER_GROUP, StreamKeys
 
     stream, r, got = StreamKeys(ns).rollouts, aioredis.Redis.from_url(url), 0
     while got < n:
@@ -739,7 +739,7 @@ async def bookkeeping_commands(url: str, admin) -> dict[str, dict]:
     These are the per-record `done` keys the queue used before its sorted set; kept for comparison."""
     import redis.asyncio as aioredis
 
-    from maskroll.client.streams import TRAINER_GROUP
+    from maskroll.proto.streams import TRAINER_GROUP
 
     r = aioredis.Redis.from_url(url)
     keys = [f"maskroll:b:done:{uuid.uuid4().hex}" for _ in range(BATCH)]
@@ -934,7 +934,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
 
-    from maskroll.client.local_redis import LocalRedis
+    from maskroll.local.redis_server import LocalRedis
 
     with LocalRedis() as server:
         if args.malloc_tuned:  # after redis-server started: the workers (spawned below) inherit it

@@ -53,7 +53,7 @@ def in_flight(metrics: str) -> float:
 
 
 def start_server(model: Path, log: Path, extra: list[str]) -> tuple[subprocess.Popen, str, str]:
-    cmd = [sys.executable, "-m", "maskroll.server.cli", "serve", "--model", str(model), "--engine", "torch",
+    cmd = [sys.executable, "-m", "maskroll.app.cli", "serve", "--model", str(model), "--engine", "torch",
            "--port", "0", "--metrics-port", "0", "--threads", "1", *extra]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="maskroll-rss-") as tmp:
         model = args.model
         if model is None:
-            from maskroll.server.model_init import init_model
+            from maskroll.app.model_init import init_model
 
             model = init_model(Path(tmp) / "tiny", seed=0)
         proc, address, metrics = start_server(model, Path(tmp) / "serve.log", args.server_arg)

@@ -83,9 +83,9 @@ class Config:
 
 
 async def _produce(cfg: Config, url: str, ns: str, t0: float, out) -> None:
-    from maskroll.client.redis_conn import open_redis
-    from maskroll.client.streams import StreamKeys
-    from maskroll.server.publisher import RolloutPublisher
+    from maskroll.proto.redis_conn import open_redis
+    from maskroll.proto.streams import StreamKeys
+    from maskroll.server.pull.publisher import RolloutPublisher
 
     r, cluster = await open_redis(url)
     keys = StreamKeys(ns, cfg.partitions, cluster=cluster)
@@ -153,7 +153,8 @@ def consumer(cfg: Config, url: str, ns: str, index: int, t0: float, ready, out) 
 def _consume(cfg: Config, url: str, ns: str, index: int, t0: float, ready, out) -> None:
     import resource
 
-    from maskroll.client import QueueTimeout, RolloutQueue, wire
+    from maskroll.client import QueueTimeout, RolloutQueue
+    from maskroll.proto import wire
 
     q = RolloutQueue(
         url,
@@ -227,8 +228,8 @@ def claim_run(url: str, cfg: Config, ns: str) -> None:
     """The run of the queue bench's record templates (bench/queue.py BENCH_RUN) owns `ns` at version 0,
     so the trainers resume it and accept the simulated records."""
     run_id = _bench_queue().BENCH_RUN
-    from maskroll.client.redis_conn import open_redis
-    from maskroll.client.streams import StreamKeys
+    from maskroll.proto.redis_conn import open_redis
+    from maskroll.proto.streams import StreamKeys
 
     async def go():
         r, cluster = await open_redis(url)
@@ -296,10 +297,10 @@ def run_config(cfg: Config, store) -> dict:
 
 def open_store(kind: str):
     if kind == "single":
-        from maskroll.client.local_redis import LocalRedis
+        from maskroll.local.redis_server import LocalRedis
 
         return LocalRedis(appendonly=False)
-    from maskroll.client.local_cluster import LocalRedisCluster
+    from maskroll.local.redis_cluster import LocalRedisCluster
 
     return LocalRedisCluster(node_timeout_ms=5000)
 

@@ -21,7 +21,7 @@ runs at its default settings (chunks gathered for up to `chunk_interval_ms`) unl
 a scripted engine (precomputed outputs on a fixed step clock, `--step-ms`, whose own CPU is the
 in-process run's), so the engine's cost is close to nothing and the difference is the serving path's.
 
-Wire bytes: each GenerateChunk the client received, re-serialised (`maskroll.client.wire.chunk_to_pb`,
+Wire bytes: each GenerateChunk the client received, re-serialised (`maskroll.proto.wire.chunk_to_pb`,
 deterministic) plus gRPC's 5-byte message prefix; HTTP/2 framing is left out of both sides. JSON: the
 `logprobs.content[i]` entries the OpenAI chat-completions API returns for the same tokens (token string,
 logprob, UTF-8 bytes, and `top_logprobs` of K such entries), serialised compactly as vLLM's OpenAI
@@ -72,7 +72,7 @@ async def run_inprocess(engine, n: int, tokens: int, k: int) -> dict:
     """R requests straight into the engine: tokens, seconds and each request's first-token latency."""
     import numpy as np
 
-    from maskroll.server.engine import EngineRequest, SamplingParams
+    from maskroll.server.engines.contract import EngineRequest, SamplingParams
 
     first_token: list[float] = []
 
@@ -137,7 +137,7 @@ async def run_grpc_client(
 ) -> dict:
     """go / done: called when connected (the clock starts after it) and when the last chunk arrived."""
     from maskroll.client import RolloutClient, SamplingOptions
-    from maskroll.client.wire import chunk_to_pb
+    from maskroll.proto.wire import chunk_to_pb
 
     async with RolloutClient(address) as client:
         await client.info()  # connect before the clock starts
@@ -217,7 +217,7 @@ def scripted_engine_class():
     """A scripted Engine (defined on first use: the Engine base class lives in maskroll.server)."""
     import numpy as np
 
-    from maskroll.server.engine import Engine, EngineLimits, EngineOutput
+    from maskroll.server.engines.contract import Engine, EngineLimits, EngineOutput
 
     class ScriptedEngine(Engine):
         """Precomputed tokens and logprobs on a fixed step clock, so that its own CPU is close to nothing.
@@ -359,7 +359,7 @@ async def bench_scripted(args: argparse.Namespace) -> dict:
 async def bench(args: argparse.Namespace, model_dir: Path) -> dict:
     from maskroll.server.app import start
     from maskroll.server.config import EngineConfig, ServerConfig
-    from maskroll.server.vllm_engine import VllmEngine
+    from maskroll.server.engines.vllm_engine import VllmEngine
 
     n, t, kmax = args.requests, args.tokens, args.k
     engine = VllmEngine(
@@ -639,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     with tempfile.TemporaryDirectory(prefix="maskroll-bench-") as tmp:
-        from maskroll.server.vllm_engine import default_cache_env
+        from maskroll.server.engines.vllm_engine import default_cache_env
 
         default_cache_env(Path(tmp) / "vllm-env")  # caches and IPC sockets of this run only
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -647,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         model_dir = args.model
         if model_dir is None:
-            from maskroll.server.model_init import init_model
+            from maskroll.app.model_init import init_model
 
             model_dir = init_model(Path(tmp) / "model", seed=0)
         result = asyncio.run(bench(args, model_dir))

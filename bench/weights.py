@@ -99,7 +99,7 @@ def start_replicas(
         cmd = [
             sys.executable,
             "-m",
-            "maskroll.server.cli",
+            "maskroll.app.cli",
             "serve",
             "--model",
             str(model),
@@ -124,7 +124,7 @@ def measure(n: int, reps: int, model_dir: Path, tmp: Path, chunk: int) -> dict:
     from safetensors.torch import load_file
 
     from maskroll.client import RolloutQueue
-    from maskroll.client.local_redis import LocalRedis
+    from maskroll.local.redis_server import LocalRedis
     from maskroll.weight_sync import CheckpointPublisher, StreamPublisher
 
     state = load_file(str(model_dir / "model.safetensors"))
@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-mib", type=float, default=None, help="stream chunk size (default: the SDK's)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    from maskroll.client.tensor_push import DEFAULT_CHUNK_BYTES
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
+    from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES
 
     chunk = DEFAULT_CHUNK_BYTES if a.chunk_mib is None else int(a.chunk_mib * (1 << 20))
     load = os.getloadavg()[0]

@@ -1,22 +1,18 @@
 """maskroll.client: the SDK a trainer uses to reach rollout replicas (gRPC) and the rollout queue (Redis).
 
-Owns the generated wire code, `RolloutClient`, `RolloutQueue` and plain-numpy records. It never imports
-torch or vllm: a trainer on any framework can use it. The gRPC client and the Redis queue are loaded on
-first access, so `from maskroll.client import RolloutRecord` needs neither grpc nor redis, and the queue
-needs no grpc until weights are broadcast.
-
-Modules, one concern each: records.py (domain objects), wire.py (protobuf ⇄ records), rollout_client.py
-(gRPC to one replica); for the queue: redis_conn.py (connection and retry policy), streams.py (stream
-layout and primitives shared with the server), admission.py (in-flight limit), batching.py (whole
-groups, dedupe, staleness, refused records), runs.py (the run that owns a namespace), queue.py (the
-trainer's queue client) and replicas.py (registry, weights).
+Owns `RolloutClient`, `RolloutQueue` and the rules a trainer keeps (admission, whole groups, staleness,
+runs). The contract it shares with the replicas — records, wire code, stream layout, connection policy —
+is `maskroll.proto`; its record types are re-exported here. It never imports torch or vllm: a trainer on
+any framework can use it. The gRPC client and the Redis queue are loaded on first access, so
+`from maskroll.client import RolloutRecord` needs neither grpc nor redis, and the queue needs no grpc
+until weights are broadcast.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .records import (
+from maskroll.proto.records import (
     PromptJob,
     RecordAssembler,
     RolloutChunk,
@@ -28,9 +24,10 @@ from .records import (
 )
 
 if TYPE_CHECKING:
+    from maskroll.proto.redis_conn import QueueUnavailable
+
     from .admission import QueueFull
     from .queue import AsyncRolloutQueue, QueueStats, QueueTimeout, RolloutQueue
-    from .redis_conn import QueueUnavailable
     from .replicas import BroadcastError, ReplicaInfo, ReplicaWeights
     from .rollout_client import RolloutClient, RolloutError, SyncRolloutClient
     from .runs import RunChoiceRequired, RunError, RunInfo, RunNotFound, RunSuperseded
@@ -44,7 +41,7 @@ _LAZY = {
     "QueueStats": "queue",
     "QueueTimeout": "queue",
     "QueueFull": "admission",
-    "QueueUnavailable": "redis_conn",
+    "QueueUnavailable": "maskroll.proto.redis_conn",
     "ReplicaInfo": "replicas",
     "ReplicaWeights": "replicas",
     "BroadcastError": "replicas",
@@ -88,7 +85,8 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        module = _LAZY[name] if "." in _LAZY[name] else f"{__name__}.{_LAZY[name]}"
+        value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

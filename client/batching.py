@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .records import RolloutRecord
+from maskroll.proto.records import RolloutRecord
 
 Entry = tuple[bytes, RolloutRecord]  # (stream entry id, decoded record)
 Verdict = Literal["kept", "duplicate", "redelivered", "drop", "expired"]

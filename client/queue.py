@@ -30,17 +30,11 @@ from typing import Literal, TypeVar
 
 import numpy as np
 
-from . import wire
-from ._sync import LoopThread
-from .admission import InFlight, QueueFull, in_flight_limit
-from .batching import Entry, GroupBatcher, RefusalKind, group_key, refusal
-from .records import PromptJob, RolloutRecord, SamplingOptions
-from .redis_conn import QueueUnavailable, call, open_redis, transaction
-from .replicas import BroadcastError, ReplicaInfo, ReplicaWeights, live_replicas, replica_weights
-from .replicas import broadcast_weights as _broadcast_weights
-from .replicas import push_weights as _push_weights
-from .runs import RunChoiceRequired, RunInfo, RunMode, RunNotFound, RunSuperseded, advance, open_run, read_run
-from .streams import (
+from maskroll.proto import wire
+from maskroll.proto.prompts import prompt_problem
+from maskroll.proto.records import PromptJob, RolloutRecord, SamplingOptions
+from maskroll.proto.redis_conn import QueueUnavailable, call, open_redis, transaction
+from maskroll.proto.streams import (
     F_JOB,
     F_JOB_ERROR,
     F_REASON,
@@ -55,7 +49,15 @@ from .streams import (
     delete_undelivered,
     ensure_group,
 )
-from .tensor_push import WeightsManifest
+from maskroll.proto.tensor_push import WeightsManifest
+
+from ._sync import LoopThread
+from .admission import InFlight, QueueFull, in_flight_limit
+from .batching import Entry, GroupBatcher, RefusalKind, group_key, refusal
+from .replicas import BroadcastError, ReplicaInfo, ReplicaWeights, live_replicas, replica_weights
+from .replicas import broadcast_weights as _broadcast_weights
+from .replicas import push_weights as _push_weights
+from .runs import RunChoiceRequired, RunInfo, RunMode, RunNotFound, RunSuperseded, advance, open_run, read_run
 
 __all__ = [
     "AsyncRolloutQueue",
@@ -344,8 +346,8 @@ class AsyncRolloutQueue:
             options = replace(options, n=n)
         problems = options.problems()
         prompt = np.asarray(prompt_ids, dtype=np.int32)
-        if prompt.ndim != 1 or prompt.size == 0:
-            problems.append("prompt_ids must be a non-empty 1-D sequence of token ids")
+        if problem := prompt_problem(prompt, name="prompt_ids"):
+            problems.append(problem)
         if problems:
             raise ValueError("; ".join(problems))
         limit = self.max_in_flight

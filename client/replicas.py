@@ -1,9 +1,10 @@
 """The replica registry and the weight broadcast (docs/architecture.md flow 4).
 
-A pull-mode replica keeps a heartbeat key under the run's namespace (JSON with its address, engine,
-model and policy version; written with a TTL by server/puller.py): the live replicas are those whose key
-has not expired. `broadcast_weights` calls UpdateWeights (with the run id) on each of them over gRPC and
-`replica_weights` asks each what it serves (GetInfo). This is the only part of the queue SDK that needs
+A pull-mode replica keeps a heartbeat key under the run's namespace (`maskroll.proto.heartbeat`: its
+address, engine, model and policy version, written with a TTL by the replica's puller): the live
+replicas are those whose key has not expired. `broadcast_weights` calls UpdateWeights (with the run id)
+on each of them over gRPC and `replica_weights` asks each what it serves (GetInfo). This is the only
+part of the queue SDK that needs
 grpc, and it imports it when weights are pushed, so a trainer that only submits and consumes never loads
 it. Knows nothing of jobs, records or batches.
 """
@@ -11,15 +12,15 @@ it. Knows nothing of jobs, records or batches.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import redis.asyncio as aioredis
 
-from .streams import StreamKeys
-from .tensor_push import CollectiveSpec, WeightsManifest
+from maskroll.proto.heartbeat import ReplicaInfo, decode_heartbeat
+from maskroll.proto.streams import StreamKeys
+from maskroll.proto.tensor_push import CollectiveSpec, WeightsManifest
 
 if TYPE_CHECKING:
     from .rollout_client import RolloutClient
@@ -53,18 +54,6 @@ class ReplicaWeights:
     version: int
 
 
-@dataclass(frozen=True)
-class ReplicaInfo:
-    """One live replica as its last heartbeat described it; `extra` is the whole heartbeat JSON."""
-
-    replica_id: str
-    address: str
-    engine: str = ""
-    model: str = ""
-    policy_version: int = 0
-    extra: dict = field(default_factory=dict)
-
-
 async def live_replicas(r: aioredis.Redis, keys: StreamKeys) -> list[ReplicaInfo]:
     """Replicas of the namespace whose heartbeat key has not expired, sorted by replica id."""
     out = []
@@ -72,17 +61,7 @@ async def live_replicas(r: aioredis.Redis, keys: StreamKeys) -> list[ReplicaInfo
         raw = await r.get(key)
         if raw is None:  # expired between SCAN and GET
             continue
-        info = json.loads(raw)
-        out.append(
-            ReplicaInfo(
-                replica_id=info.get("replica_id", ""),
-                address=info.get("address", ""),
-                engine=info.get("engine", ""),
-                model=info.get("model", ""),
-                policy_version=int(info.get("policy_version", 0)),
-                extra=info,
-            )
-        )
+        out.append(decode_heartbeat(raw))
     return sorted(out, key=lambda rep: rep.replica_id)
 
 
@@ -162,7 +141,7 @@ async def push_weights(
     (sending and loading). `chunks` is called once per replica and yields (tensor index, offset, bytes)
     in manifest order; each replica reads at its own pace, so a slow or dead one never holds back the
     others. Returns {replica_id: "ok" | "<ErrorType>: <message>"}."""
-    from . import wire
+    from maskroll.proto import wire
 
     def messages():
         # Serialized here, each chunk with one copy of the tensor's bytes (wire.push_chunk_bytes); the
@@ -197,7 +176,7 @@ async def collective_update(
 ) -> dict[str, str]:
     """UpdateWeights(collective spec i) on replica i, all concurrently (each blocks in its NCCL
     rendezvous or receive until the trainer broadcasts). {replica_id: "ok" | "<ErrorType>: <message>"}."""
-    from . import wire
+    from maskroll.proto import wire
 
     if len(specs) != len(replicas):
         raise ValueError(f"{len(specs)} collective specs for {len(replicas)} replicas")

@@ -18,11 +18,10 @@ from collections.abc import Iterator, Sequence
 import grpc
 import numpy as np
 
-from . import wire
-from ._proto import rollout_pb2 as pb
-from ._proto import rollout_pb2_grpc as pb_grpc
-from ._sync import LoopThread
-from .records import (
+from maskroll.proto import wire
+from maskroll.proto._generated import rollout_pb2 as pb
+from maskroll.proto._generated import rollout_pb2_grpc as pb_grpc
+from maskroll.proto.records import (
     RecordAssembler,
     RolloutChunk,
     RolloutRecord,
@@ -30,6 +29,8 @@ from .records import (
     ServerInfo,
     WeightsUpdateResult,
 )
+
+from ._sync import LoopThread
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a record with arrays is ~8 bytes per token per K
 

@@ -15,20 +15,34 @@ cancelled, and records of older runs are refused as they arrive) or resumes the 
 id, continuing from `version`). Nothing mixes the two silently: opening a namespace that already has a
 run without saying which raises `RunChoiceRequired`. `advance` records each published version
 atomically, refusing a version that does not move forward and a trainer whose run was superseded by a
-newer one. Knows nothing of records, batches or replicas.
+newer one. The record itself (`RunInfo`, `read_run`) is the contract both sides read
+(`maskroll.proto.run_record`); this module owns what only a trainer does with it. Knows nothing of
+records, batches or replicas.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Literal
 
 import redis.asyncio as aioredis
 
-from .redis_conn import transaction
-from .streams import StreamKeys
+from maskroll.proto.redis_conn import transaction
+from maskroll.proto.run_record import RunInfo, _mapping, _text, read_run
+from maskroll.proto.streams import StreamKeys
+
+__all__ = [
+    "RunChoiceRequired",
+    "RunError",
+    "RunInfo",
+    "RunMode",
+    "RunNotFound",
+    "RunSuperseded",
+    "advance",
+    "open_run",
+    "read_run",
+]
 
 RunMode = Literal["new", "resume"]
 
@@ -47,46 +61,6 @@ class RunNotFound(RunError):
 
 class RunSuperseded(RunError):
     """Another trainer started a new run on this namespace: this trainer's run is over."""
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """A run as recorded in Redis (the hash fields, typed)."""
-
-    run_id: str
-    version: int = 0
-    checkpoint: str = ""
-    started_at: float = 0.0
-    updated_at: float = 0.0
-    started_by: str = ""
-
-    @classmethod
-    def from_hash(cls, h: dict) -> RunInfo:
-        """From HGETALL's reply (bytes keys and values, as the queue's client returns them)."""
-        text = {_text(k): _text(v) for k, v in h.items()}
-        return cls(
-            run_id=text.get("run_id", ""),
-            version=int(text.get("version") or 0),
-            checkpoint=text.get("checkpoint", ""),
-            started_at=float(text.get("started_at") or 0),
-            updated_at=float(text.get("updated_at") or 0),
-            started_by=text.get("started_by", ""),
-        )
-
-    def describe(self) -> str:
-        ago = max(0.0, time.time() - (self.updated_at or self.started_at))
-        return (
-            f"run {self.run_id} (policy version {self.version}, updated {_ago(ago)} ago, "
-            f"started by {self.started_by or 'unknown'})"
-        )
-
-
-def _ago(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def new_run_id() -> str:
@@ -112,23 +86,6 @@ if nv < v or (nv == v and nv ~= 0) then return {'behind', tostring(v)} end
 redis.call('HSET', KEYS[1], 'version', ARGV[2], 'checkpoint', ARGV[3], 'updated_at', ARGV[4])
 return {'ok', ARGV[2]}
 """
-
-
-def _mapping(run: RunInfo) -> dict[str, str]:
-    return {
-        "run_id": run.run_id,
-        "version": str(run.version),
-        "checkpoint": run.checkpoint,
-        "started_at": repr(run.started_at),
-        "updated_at": repr(run.updated_at),
-        "started_by": run.started_by,
-    }
-
-
-async def read_run(r: aioredis.Redis, keys: StreamKeys) -> RunInfo | None:
-    """The namespace's current run, or None if it has none."""
-    h = await r.hgetall(keys.run)
-    return RunInfo.from_hash(h) if h else None
 
 
 async def open_run(
@@ -186,7 +143,3 @@ async def advance(r: aioredis.Redis, keys: StreamKeys, run_id: str, version: int
             f"policy version {version} does not move run {run_id} forward: it is at version {detail} "
             "(versions increase by publish; after a restart, open the queue with run='resume')"
         )
-
-
-def _text(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)

@@ -212,8 +212,8 @@ def train(args: argparse.Namespace, base_url: str, api_key: str) -> None:
 
 def local_replica(tmp: Path, args: argparse.Namespace):
     """A tiny model, a private Redis and one replica with HTTP; returns (base_url, api_key, stop)."""
-    from maskroll.client.local_redis import LocalRedis
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
+    from maskroll.local.redis_server import LocalRedis
 
     args.model = init_model(tmp / "tiny")
     args.weights_root = tmp / "ckpt"
@@ -230,7 +230,7 @@ def local_replica(tmp: Path, args: argparse.Namespace):
     cmd = [
         sys.executable,
         "-m",
-        "maskroll.server.cli",
+        "maskroll.app.cli",
         "serve",
         "--model",
         str(args.model),

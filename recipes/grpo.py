@@ -12,7 +12,7 @@ The run: `train(..., run="new")` (the default) starts a new training run on the 
 `run="resume"` continues the namespace's run from its last published version and checkpoint.
 
 Copy it and change the task (`digits` here), the model and the optimiser. It runs against replicas and a
-Redis that already exist; `maskroll demo` (server/demo.py) starts those and calls `train`.
+Redis that already exist; `maskroll demo` (app/demo.py) starts those and calls `train`.
 """
 
 from __future__ import annotations

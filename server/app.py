@@ -22,18 +22,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # the asyncio HealthServicer
 
-from maskroll.client._proto import rollout_pb2, rollout_pb2_grpc
-from maskroll.client.streams import StreamKeys
+from maskroll.proto._generated import rollout_pb2, rollout_pb2_grpc
+from maskroll.proto.streams import StreamKeys
 
 from .auth import BearerTokenInterceptor, server_credentials
 from .config import ConfigError, ServerConfig
-from .engine import Engine
-from .jobs import JobRunner
-from .join import join_current_version
+from .engines.contract import Engine
+from .grpc_api.servicer import RolloutServicer, add_raw_push_handler
 from .metrics import Metrics
-from .publisher import RolloutPublisher
-from .puller import PromptPuller
-from .servicer import RolloutServicer, add_raw_push_handler
+from .pull.jobs import JobRunner
+from .pull.publisher import RolloutPublisher
+from .pull.puller import PromptPuller
+from .weights.join import join_current_version
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ async def start(config: ServerConfig, engine: Engine | None = None) -> Replica:
     """Start a replica. With `engine` given (already started), the caller keeps ownership of it."""
     owns_engine = engine is None
     if engine is None:
-        from .engines import make_engine
+        from .engines.factory import make_engine
 
         log.info("starting the %s engine on %s", config.resolved_engine, config.model)
         engine = make_engine(config)
@@ -185,7 +185,7 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
 async def _start_http(replica: Replica, publisher: RolloutPublisher | None):
     """The HTTP / OpenAI front end beside gRPC (same engine, token, TLS, limits). If it cannot start,
     the gRPC server just started is stopped again and BindError (or the error) propagates."""
-    from .http_server import HttpFrontEnd  # fastapi and uvicorn load only when HTTP is on
+    from .http_api.server import HttpFrontEnd  # fastapi and uvicorn load only when HTTP is on
 
     c = replica.config
     try:
@@ -240,7 +240,7 @@ async def _queue(config: ServerConfig, metrics: Metrics) -> tuple[object | None,
     node of a Redis Cluster: the cluster client is used then, and the keys carry hash tags (StreamKeys)."""
     redis, publisher = None, None
     if config.redis is not None:
-        from maskroll.client.redis_conn import open_redis
+        from maskroll.proto.redis_conn import open_redis
 
         redis, cluster = await open_redis(config.redis)
         keys = StreamKeys(config.namespace, config.partitions, cluster)

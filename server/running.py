@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from .pipeline import Generation
+from .generation.pipeline import Generation
 
 
 class Running:

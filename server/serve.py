@@ -20,7 +20,7 @@ class RedactingFilter(logging.Filter):
     library logged it: redis-py and grpc put URLs in their exception texts."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from maskroll.client.redis_conn import redact
+        from maskroll.proto.redis_conn import redact
 
         record.msg, record.args = redact(record.getMessage()), None
         if record.exc_info and not record.exc_text:

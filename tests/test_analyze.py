@@ -69,7 +69,7 @@ def test_cli_json() -> None:
         [
             sys.executable,
             "-m",
-            "maskroll.server.cli",
+            "maskroll.app.cli",
             "analyze",
             "--states",
             "256",
@@ -88,10 +88,10 @@ def test_cli_json() -> None:
 
 def test_cli_rejects_bad_arguments_and_unknown_commands() -> None:
     bad = subprocess.run(
-        [sys.executable, "-m", "maskroll.server.cli", "analyze", "--k", "0"], capture_output=True, text=True
+        [sys.executable, "-m", "maskroll.app.cli", "analyze", "--k", "0"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "k >= 1" in bad.stderr
     unknown = subprocess.run(
-        [sys.executable, "-m", "maskroll.server.cli", "nope"], capture_output=True, text=True
+        [sys.executable, "-m", "maskroll.app.cli", "nope"], capture_output=True, text=True
     )
     assert unknown.returncode == 2 and "unknown command" in unknown.stderr

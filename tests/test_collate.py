@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from maskroll.client.records import RolloutRecord, Semantics
+from maskroll.proto.records import RolloutRecord, Semantics
 from maskroll.trainer_adapter import SemanticsError, collate, group_advantages
 
 

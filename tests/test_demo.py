@@ -36,7 +36,7 @@ def _processes_mentioning(text: str) -> list[tuple[int, str]]:
 
 
 def _demo(out: Path, *args: str, **kw) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "maskroll.server.cli", "demo", "--out", str(out), *args]
+    cmd = [sys.executable, "-m", "maskroll.app.cli", "demo", "--out", str(out), *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 

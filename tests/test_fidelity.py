@@ -280,10 +280,10 @@ def test_counterfactual_step_is_the_real_step(tmp_path: Path, optimizer: str) ->
     import fidelity_run as fr
     import transformers
 
+    from maskroll.app.model_init import init_model
     from maskroll.recipes import digits
     from maskroll.recipes.grpo import completion_logits
-    from maskroll.server.model_init import init_model
-    from maskroll.server.torch_engine import TorchEngine
+    from maskroll.server.engines.torch_engine import TorchEngine
     from maskroll.trainer_adapter import collate, policy_loss, token_logprobs
 
     model_dir = init_model(tmp_path / "m", seed=3)

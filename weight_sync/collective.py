@@ -7,7 +7,7 @@ does the rendezvous and the packed broadcast; it drives the inference side throu
 `CollectiveSource` (init: join the group; otherwise: receive the listed tensors), sent to every replica
 in parallel (`maskroll.client.replicas.collective_update`). Each replica pauses, receives into its live
 model (vLLM's layerwise reload: no second copy of the weights), relabels its version and resumes, as
-for the other transports (server/weight_sources.py).
+for the other transports (server/weights/sources.py).
 
 Only the sending trainer rank checks values: NaN or inf anywhere refuses the version before a byte is
 sent, since the bytes land in the replicas' models directly. The replica checks names and shapes
@@ -15,7 +15,7 @@ against its model before receiving. As the other publishers, `publish` records e
 record (`RolloutQueue.record_version`, with `checkpoint = "collective"`) and makes it the trainer's
 policy version before any replica loads it, and takes the version rule and the per-replica results
 from `publish.py`. The group's world size is fixed at `connect()`: a replica that starts later cannot
-enter it; it finds "collective" in the run record and starts on its own weights (server/join.py) until
+enter it; it finds "collective" in the run record and starts on its own weights (server/weights/join.py) until
 the trainer forms a new group with it (or publishes through a StreamPublisher or the directory).
 Needs CUDA, NCCL and vLLM on the trainer; the replicas run the vLLM engine started with
 `--vllm-arg weight_transfer_config='{"backend": "nccl"}'`.
@@ -30,7 +30,7 @@ import torch
 
 from maskroll.client import ReplicaInfo
 from maskroll.client.replicas import collective_update
-from maskroll.client.tensor_push import CollectiveSpec, TensorSpec
+from maskroll.proto.tensor_push import CollectiveSpec, TensorSpec
 
 from .publish import WeightSyncError, checked, next_version
 

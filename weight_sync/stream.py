@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from maskroll.client import BroadcastError
-from maskroll.client.tensor_push import DEFAULT_CHUNK_BYTES, TensorSpec, WeightsManifest
+from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES, TensorSpec, WeightsManifest
 
 from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from .publish import WeightSyncError, checked, next_version, on_other_weights

@@ -36,7 +36,7 @@ from deploy_files import (
     resolve_argv,
 )
 
-from maskroll.client.local_redis import LocalRedis, free_port
+from maskroll.local.redis_server import LocalRedis, free_port
 from maskroll.server.app import ABORT_GRACE_S, STOP_GRACE_S
 
 
@@ -308,7 +308,7 @@ def test_trainer_command_trains_against_the_replicas(compose, env, tmp_path):
     """The compose deployment run outside containers: Redis with the .env password, both replicas with
     their environment, then the trainer service's command line (one short step) against them: it
     must find the replicas, train, push the version to them and keep its own checkpoint."""
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
 
     weights = tmp_path / "weights"
     weights.mkdir()

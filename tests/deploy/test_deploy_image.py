@@ -48,9 +48,9 @@ from deploy_files import (
     secret_values,
 )
 
-from maskroll.client.local_redis import LocalRedis, free_port
-from maskroll.server import weight_stream
+from maskroll.local.redis_server import LocalRedis, free_port
 from maskroll.server.config import ServerConfig, config_fields, load_config, vllm_available
+from maskroll.server.weights import receive as weight_stream
 
 # Announced by the queue issue and used by compose.yaml / config.yaml; ServerConfig gains them there.
 PULL_MODE_FIELDS = {"redis_url", "namespace", "pull", "pull_concurrency", "advertise_address"}
@@ -172,7 +172,7 @@ def test_every_maskroll_variable_set_by_the_deployment_is_a_server_config_field(
     assert "tensor_parallel_size" in used  # the engine's settings are part of the check
     # The health check's own variables (server/healthcheck.py), set next to the server's.
     healthcheck_only = {"healthcheck_tls_ca", "healthcheck_tls_server_name"}
-    # Read by server/weight_stream.py where a push is received, not a ServerConfig field.
+    # Read by server/weights/receive.py where a push is received, not a ServerConfig field.
     assert weight_stream.SPOOL_ENV == "MASKROLL_WEIGHTS_SPOOL" and "weights_spool" in used
     unknown = used - set(config_fields()) - healthcheck_only - {"weights_spool"}
     assert unknown == set()
@@ -199,7 +199,7 @@ def test_gpu_replicas_run_vllm_in_bfloat16_on_every_gpu_they_are_given(case, mon
     """Loaded as `maskroll serve` loads it; then the engine arguments a CUDA machine would get: bfloat16,
     the memory fraction instead of the CPU's fixed KV cache, tensor parallelism = the pod's GPUs."""
     import maskroll.server.config as config
-    from maskroll.server.vllm_engine import base_engine_args
+    from maskroll.server.engines.vllm_engine import base_engine_args
 
     deploy_env, gpus = _gpu_replica_envs()[case]
     for key in [k for k in os.environ if k.startswith("MASKROLL_")]:
@@ -241,7 +241,7 @@ def test_gpu_replicas_run_vllm_in_bfloat16_on_every_gpu_they_are_given(case, mon
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
 
     return init_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 

@@ -489,7 +489,7 @@ def test_redis_script_runs_with_the_password_off_its_command_line(tmp_path):
     password, and the server's argv never holds it."""
     import redis as redis_py
 
-    from maskroll.client.local_redis import find_redis_server, free_port
+    from maskroll.local.redis_server import find_redis_server, free_port
 
     (container,) = pod_spec(one(rendered("base"), "StatefulSet", "redis"))["containers"]
     argv, _ = redis_script(container)

@@ -15,20 +15,20 @@ from pathlib import Path
 import pytest
 from deploy_files import Replica, clean_environ
 
-from maskroll.client.local_redis import free_port
+from maskroll.local.redis_server import free_port
 from maskroll.server.healthcheck import default_address, default_tls_ca
 
 CHECK = ["maskroll", "healthcheck"]
 
 
 def healthcheck(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "maskroll.server.cli", "healthcheck", *args]
+    cmd = [sys.executable, "-m", "maskroll.app.cli", "healthcheck", *args]
     return subprocess.run(cmd, env=env or clean_environ(), capture_output=True, text=True, timeout=30)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
 
     return init_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 

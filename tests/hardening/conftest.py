@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hardening_fixtures import Serve
 
-from maskroll.client.local_redis import LocalRedis
+from maskroll.local.redis_server import LocalRedis
 
 NAMESPACE = "hard"
 REDIS_PASSWORD = "hardening-s3cret-pw"
@@ -19,7 +19,7 @@ REDIS_PASSWORD = "hardening-s3cret-pw"
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
 
     return init_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
@@ -30,7 +30,7 @@ def weights_root(tmp_path_factory, model_dir) -> Path:
     model.safetensors, and a checkpoint outside the root."""
     from safetensors.torch import load_file, save_file
 
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
 
     base = tmp_path_factory.mktemp("weights")
     root = base / "root"

@@ -21,9 +21,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from maskroll.client import RolloutClient, SamplingOptions, wire
-from maskroll.client._proto import rollout_pb2 as pb
-from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
+from maskroll.client import RolloutClient, SamplingOptions
+from maskroll.proto import wire
+from maskroll.proto._generated import rollout_pb2 as pb
+from maskroll.proto._generated import rollout_pb2_grpc as pb_grpc
 from maskroll.server.healthcheck import check
 
 PROMPT = np.array([256, 72, 105], "<i4")  # <bos> "Hi"
@@ -39,7 +40,7 @@ class Serve:
         self.log = log
         engine_args = ["--threads", "1"] if engine == "torch" else ["--enforce-eager"]
         cmd = [
-            sys.executable, "-m", "maskroll.server.cli", "serve", "--model", str(model_dir),
+            sys.executable, "-m", "maskroll.app.cli", "serve", "--model", str(model_dir),
             "--engine", engine, *engine_args, "--port", "0", "--metrics-port", "0",
             "--drain-timeout-s", "5", *args,
         ]  # fmt: skip

@@ -21,7 +21,7 @@ from hardening_fixtures import NORMAL, raw_generate, request, served
 
 from maskroll.server.app import start
 from maskroll.server.config import ServerConfig
-from maskroll.server.torch_engine import TorchEngine
+from maskroll.server.engines.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.slow
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE

@@ -20,10 +20,11 @@ import redis
 from conftest import NAMESPACE
 from hardening_fixtures import PROMPT, wait_for
 
-from maskroll.client import RolloutClient, wire
+from maskroll.client import RolloutClient
 from maskroll.client.queue import RolloutQueue
-from maskroll.client.records import PromptJob, SamplingOptions
-from maskroll.client.streams import F_JOB, F_JOB_ERROR, F_REASON, F_RECORD, REPLICA_GROUP, StreamKeys
+from maskroll.proto import wire
+from maskroll.proto.records import PromptJob, SamplingOptions
+from maskroll.proto.streams import F_JOB, F_JOB_ERROR, F_REASON, F_RECORD, REPLICA_GROUP, StreamKeys
 
 pytestmark = pytest.mark.slow
 KEYS = StreamKeys(NAMESPACE)

@@ -19,11 +19,11 @@ import pytest
 import redis
 from hardening_fixtures import PROMPT, Serve, wait_for
 
-from maskroll.client import wire
-from maskroll.client.local_redis import LocalRedis
-from maskroll.client.records import PromptJob, SamplingOptions
-from maskroll.client.redis_conn import QueueUnavailable, call, connect
-from maskroll.client.streams import F_JOB, F_RECORD, StreamKeys
+from maskroll.local.redis_server import LocalRedis
+from maskroll.proto import wire
+from maskroll.proto.records import PromptJob, SamplingOptions
+from maskroll.proto.redis_conn import QueueUnavailable, call, connect
+from maskroll.proto.streams import F_JOB, F_RECORD, StreamKeys
 
 pytestmark = pytest.mark.slow
 PASSWORD = "events-pw-9f8e7d"

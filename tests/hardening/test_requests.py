@@ -16,7 +16,7 @@ from conftest import NAMESPACE
 from hardening_fixtures import assert_refused_then_served, raw_generate, request, served
 
 from maskroll.client import SamplingOptions
-from maskroll.client.streams import StreamKeys
+from maskroll.proto.streams import StreamKeys
 
 pytestmark = pytest.mark.slow
 KEYS = StreamKeys(NAMESPACE)

@@ -35,7 +35,7 @@ def _serve(model_dir: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
-        "maskroll.server.cli",
+        "maskroll.app.cli",
         "serve",
         "--model",
         str(model_dir),

@@ -19,13 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from grpc_fixtures import ServerLoop, replica, server_config, start_torch_engine
 from http_fixtures import NAMESPACE, TOKEN, Served
 
-from maskroll.client.local_redis import LocalRedis
+from maskroll.local.redis_server import LocalRedis
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`maskroll init-model` output with the defaults (as tests/server/conftest.py's)."""
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
 
     return init_model(tmp_path_factory.mktemp("tiny_model") / "model", seed=0)
 

@@ -18,9 +18,10 @@ from google.protobuf import json_format
 from http_fixtures import TOKEN, make_served
 from test_bad_input import BAD
 
-from maskroll.client import RecordAssembler, RolloutClient, SamplingOptions, wire
-from maskroll.client._proto import rollout_pb2 as pb
-from maskroll.server.http_errors import STATUS_OF_CODE
+from maskroll.client import RecordAssembler, RolloutClient, SamplingOptions
+from maskroll.proto import wire
+from maskroll.proto._generated import rollout_pb2 as pb
+from maskroll.server.http_api.errors import STATUS_OF_CODE
 
 PROMPT = [256, 72, 105]  # <bos> "Hi", as test_bad_input's
 

@@ -12,8 +12,8 @@ import numpy as np
 import openai
 import pytest
 
+from maskroll.app.model_init import BOS_ID, EOS_ID
 from maskroll.client import RolloutClient, SamplingOptions
-from maskroll.server.model_init import BOS_ID, EOS_ID
 
 PROMPT_IDS = [256, *b"Hello, world"]
 
@@ -231,7 +231,7 @@ def test_eos_ends_a_chat_turn_with_stop(served):
 
 
 def test_tool_calls_are_parsed_from_the_hermes_format():
-    from maskroll.server.chat import parse_tool_calls
+    from maskroll.server.http_api.chat import parse_tool_calls
 
     content, calls = parse_tool_calls(
         'Let me compute.<tool_call>{"name": "calc", "arguments": {"e": "2*3"}}</tool_call>'

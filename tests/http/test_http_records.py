@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from maskroll.client import wire
-from maskroll.client._proto import rollout_pb2 as pb
-from maskroll.client.records import RolloutRecord, Semantics
-from maskroll.server.chat import ChatFormat
+from maskroll.proto import wire
+from maskroll.proto._generated import rollout_pb2 as pb
+from maskroll.proto.records import RolloutRecord, Semantics
+from maskroll.server.http_api.chat import ChatFormat
 
 K = 3
 
@@ -121,8 +121,8 @@ def test_incremental_detokenization_equals_decoding_the_whole(tiny_model_dir):
 
 
 def test_a_tool_call_reply_sent_back_as_the_openai_client_sends_it_extends_the_session(tiny_model_dir):
-    from maskroll.server.openai_compat import normalize_messages
-    from maskroll.server.sessions import Session
+    from maskroll.server.http_api.openai_compat import normalize_messages
+    from maskroll.server.http_api.sessions import Session
 
     chat = ChatFormat(tiny_model_dir)
     s = Session("s", "", touched=0.0)

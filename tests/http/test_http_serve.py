@@ -24,7 +24,7 @@ TOKEN = "serve-test-token-0123456789"
 @pytest.mark.slow
 def test_serve_with_http_port_zero_serves_both_and_drains_both_on_sigterm(tiny_model_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASKROLL_AUTH_TOKEN": TOKEN}
-    cmd = [sys.executable, "-m", "maskroll.server.cli", "serve", "--model", str(tiny_model_dir)]
+    cmd = [sys.executable, "-m", "maskroll.app.cli", "serve", "--model", str(tiny_model_dir)]
     cmd += [
         "--engine",
         "torch",

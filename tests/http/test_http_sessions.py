@@ -14,10 +14,10 @@ import pytest
 import redis
 from http_fixtures import NAMESPACE, make_served
 
-from maskroll.client import wire
-from maskroll.client.streams import F_RECORD, StreamKeys
-from maskroll.server.model_init import BOS_ID, EOS_ID
-from maskroll.server.sessions import SessionStore
+from maskroll.app.model_init import BOS_ID, EOS_ID
+from maskroll.proto import wire
+from maskroll.proto.streams import F_RECORD, StreamKeys
+from maskroll.server.http_api.sessions import SessionStore
 from maskroll.trainer_adapter import collate
 
 CALCULATOR = {

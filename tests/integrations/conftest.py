@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from maskroll.client.local_redis import LocalRedis
-from maskroll.server.model_init import init_model
+from maskroll.app.model_init import init_model
+from maskroll.local.redis_server import LocalRedis
 
 NAMESPACE = "trl-it"
 LOGPROBS_K = 8
@@ -36,7 +36,7 @@ def _start_replica(name: str, model_dir: Path, weights: Path, url: str, log: Pat
     cmd = [
         sys.executable,
         "-m",
-        "maskroll.server.cli",
+        "maskroll.app.cli",
         "serve",
         *("--model", str(model_dir), "--engine", "torch", "--port", "0", "--threads", "1"),
         *("--namespace", NAMESPACE, "--pull", "--replica-id", name, "--weights-root", str(weights)),

@@ -19,7 +19,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig
 
 from maskroll.client import SamplingOptions, SyncRolloutClient
-from maskroll.client.streams import StreamKeys
 from maskroll.integrations.rollouts import Job, QueueSource
 from maskroll.integrations.trl import (
     LOSS_TYPES,
@@ -30,6 +29,7 @@ from maskroll.integrations.trl import (
     maskroll_loss,
     trl_advantages,
 )
+from maskroll.proto.streams import StreamKeys
 from maskroll.trainer_adapter import MaskConfig, collate, compute_masks, policy_loss, token_logprobs
 
 G = 4  # num_generations
@@ -250,7 +250,7 @@ def test_loss_is_the_adapters_and_masks_a_planted_far_token_over_grpc(cluster, t
 
 
 def test_unsupported_trl_options_are_refused_by_name(tmp_path):
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
 
     model_dir = init_model(tmp_path / "m", seed=0)
     cfg = MaskrollConfig(redis_url="redis://127.0.0.1:1/0", weights_root=tmp_path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from maskroll.client.local_redis import LocalRedis
+from maskroll.local.redis_server import LocalRedis
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def redis_server():
 
 @pytest.fixture(scope="session")
 def redis_cluster():
-    from maskroll.client.local_cluster import LocalRedisCluster
+    from maskroll.local.redis_cluster import LocalRedisCluster
 
     with LocalRedisCluster() as c:
         yield c
@@ -30,6 +30,6 @@ def namespace(request) -> str:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
 
     return init_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)

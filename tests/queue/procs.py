@@ -23,7 +23,7 @@ class Replicas:
 
     def start(self, name: str, *extra: str) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASKROLL_REDIS_URL": self.url}
-        cmd = [sys.executable, "-m", "maskroll.server.cli", "serve", "--model", str(self.model_dir)]
+        cmd = [sys.executable, "-m", "maskroll.app.cli", "serve", "--model", str(self.model_dir)]
         cmd += ["--engine", "torch", "--port", "0", "--threads", "1", "--namespace", self.namespace]
         cmd += ["--pull", "--replica-id", name, "--claim-idle-s", "2", "--heartbeat-ttl-s", "3"]
         cmd += ["--pull-concurrency", "4", "--drain-timeout-s", "5", *extra]

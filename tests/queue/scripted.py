@@ -13,11 +13,11 @@ import time
 
 import numpy as np
 
-from maskroll.client.records import PromptJob, RolloutRecord, Semantics, rollout_id_for
-from maskroll.client.redis_conn import open_redis
-from maskroll.client.streams import StreamKeys
-from maskroll.server.publisher import RolloutPublisher
-from maskroll.server.puller import PromptPuller
+from maskroll.proto.records import PromptJob, RolloutRecord, Semantics, rollout_id_for
+from maskroll.proto.redis_conn import open_redis
+from maskroll.proto.streams import StreamKeys
+from maskroll.server.pull.publisher import RolloutPublisher
+from maskroll.server.pull.puller import PromptPuller
 
 
 def scripted_records(job: PromptJob, *, version: int = 0, replica: str = "scripted") -> list[RolloutRecord]:

@@ -23,12 +23,12 @@ from scripted import scripted_replica
 from test_replicas import OPTS as MODEL_OPTS
 from test_replicas import _collect
 
+from maskroll.app.model_init import encode_text
 from maskroll.client import AsyncRolloutQueue, RolloutQueue, SamplingOptions
-from maskroll.client._proto import rollout_pb2 as pb
-from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
-from maskroll.client.redis_conn import open_redis, transaction
-from maskroll.client.streams import REPLICA_GROUP, StreamKeys
-from maskroll.server.model_init import encode_text
+from maskroll.proto._generated import rollout_pb2 as pb
+from maskroll.proto._generated import rollout_pb2_grpc as pb_grpc
+from maskroll.proto.redis_conn import open_redis, transaction
+from maskroll.proto.streams import REPLICA_GROUP, StreamKeys
 
 OPTS = SamplingOptions(max_tokens=6, logprobs_k=3)
 
@@ -226,7 +226,7 @@ def test_a_master_killed_mid_run_is_replaced_and_the_run_goes_on():
     promoted (node timeout 1 s), the SDK's retries carry the trainer and the replicas through it, and no
     rollout is trained twice. Redis replicates asynchronously, so a write the dead master acknowledged
     but had not yet sent to its replica is gone: the figures printed are what that cost here."""
-    from maskroll.client.local_cluster import LocalRedisCluster
+    from maskroll.local.redis_cluster import LocalRedisCluster
 
     ns, jobs_total, n = "master-kill", 90, 4
     # its own cluster: killing a master would leave the session's cluster without a spare

@@ -19,13 +19,13 @@ from maskroll.client import (
     QueueUnavailable,
     RolloutQueue,
     SamplingOptions,
-    wire,
 )
-from maskroll.client.local_redis import LocalRedis
-from maskroll.client.redis_conn import connect
-from maskroll.client.streams import F_JOB, F_RECORD, StreamKeys
-from maskroll.server.publisher import PublishTimeout, RolloutPublisher
-from maskroll.server.puller import JobRejected
+from maskroll.local.redis_server import LocalRedis
+from maskroll.proto import wire
+from maskroll.proto.redis_conn import connect
+from maskroll.proto.streams import F_JOB, F_RECORD, StreamKeys
+from maskroll.server.pull.publisher import PublishTimeout, RolloutPublisher
+from maskroll.server.pull.puller import JobRejected
 
 OPTS = SamplingOptions(max_tokens=6, logprobs_k=3)
 
@@ -170,7 +170,7 @@ def test_malformed_entries_go_to_dead_letters_and_consumption_continues(redis_se
 def _job(job_id: str, n: int, run_id: str):
     import numpy as np
 
-    from maskroll.client.records import PromptJob
+    from maskroll.proto.records import PromptJob
 
     return PromptJob(
         job_id=job_id,

@@ -11,11 +11,11 @@ import sys
 import pytest
 import redis
 
-from maskroll.client.local_redis import LocalRedis
+from maskroll.local.redis_server import LocalRedis
 
 
 def _maskroll_redis(*args: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "maskroll.server.cli", "redis", *args]
+    cmd = [sys.executable, "-m", "maskroll.app.cli", "redis", *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -54,6 +54,6 @@ def test_a_port_in_use_is_a_clear_error():
 
 def test_the_command_is_listed():
     out = subprocess.run(
-        [sys.executable, "-m", "maskroll.server.cli", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "maskroll.app.cli", "--help"], capture_output=True, text=True, timeout=60
     ).stdout
     assert re.search(r"^  redis\s+a Redis on 127\.0\.0\.1 for trying maskroll on one machine", out, re.M), out

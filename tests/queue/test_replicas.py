@@ -16,11 +16,11 @@ import pytest
 import redis
 from procs import Replicas
 
-from maskroll.client.local_redis import LocalRedis
+from maskroll.app.model_init import encode_text, init_model
 from maskroll.client.queue import BroadcastError, RolloutQueue
-from maskroll.client.records import SamplingOptions
-from maskroll.client.streams import REPLICA_GROUP, StreamKeys
-from maskroll.server.model_init import encode_text, init_model
+from maskroll.local.redis_server import LocalRedis
+from maskroll.proto.records import SamplingOptions
+from maskroll.proto.streams import REPLICA_GROUP, StreamKeys
 
 pytestmark = pytest.mark.slow
 

@@ -21,6 +21,7 @@ import redis
 import torch
 from procs import Replicas
 
+from maskroll.app.model_init import encode_text
 from maskroll.client import (
     BroadcastError,
     QueueTimeout,
@@ -31,9 +32,8 @@ from maskroll.client import (
     SamplingOptions,
     SyncRolloutClient,
 )
-from maskroll.client.local_redis import LocalRedis
-from maskroll.client.streams import StreamKeys
-from maskroll.server.model_init import encode_text
+from maskroll.local.redis_server import LocalRedis
+from maskroll.proto.streams import StreamKeys
 from maskroll.weight_sync import CHECKPOINT_FILE, CheckpointPublisher
 
 pytestmark = pytest.mark.slow

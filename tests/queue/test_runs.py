@@ -25,12 +25,12 @@ from maskroll.client import (
     RunChoiceRequired,
     RunNotFound,
     RunSuperseded,
-    wire,
 )
-from maskroll.client.records import PromptJob, SamplingOptions
-from maskroll.client.redis_conn import connect
-from maskroll.client.streams import F_JOB, F_RECORD, REPLICA_GROUP, StreamKeys
-from maskroll.server.publisher import RolloutPublisher
+from maskroll.proto import wire
+from maskroll.proto.records import PromptJob, SamplingOptions
+from maskroll.proto.redis_conn import connect
+from maskroll.proto.streams import F_JOB, F_RECORD, REPLICA_GROUP, StreamKeys
+from maskroll.server.pull.publisher import RolloutPublisher
 
 
 def _job(job_id: str, n: int, run_id: str) -> PromptJob:

@@ -18,7 +18,7 @@ import pytest
 from maskroll.client.admission import InFlight, QueueFull, in_flight_limit
 from maskroll.client.batching import GroupBatcher, refusal
 from maskroll.client.queue import AsyncRolloutQueue, RolloutQueue
-from maskroll.client.records import RolloutRecord, Semantics
+from maskroll.proto.records import RolloutRecord, Semantics
 
 
 def _loaded(code: str) -> set[str]:
@@ -38,8 +38,8 @@ def _loaded(code: str) -> set[str]:
         "maskroll.client.queue",
         "maskroll.client.replicas",
         "maskroll.client.runs",
-        "maskroll.client.streams",
-        "maskroll.client.redis_conn",
+        "maskroll.proto.streams",
+        "maskroll.proto.redis_conn",
         "maskroll.client.admission",
         "maskroll.client.batching",
     ],
@@ -65,7 +65,7 @@ def test_public_names_resolve_to_their_owning_modules():
         "QueueTimeout": "maskroll.client.queue",
         "QueueStats": "maskroll.client.queue",
         "QueueFull": "maskroll.client.admission",
-        "QueueUnavailable": "maskroll.client.redis_conn",
+        "QueueUnavailable": "maskroll.proto.redis_conn",
         "ReplicaInfo": "maskroll.client.replicas",
         "ReplicaWeights": "maskroll.client.replicas",
         "BroadcastError": "maskroll.client.replicas",

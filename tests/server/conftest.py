@@ -10,6 +10,6 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`maskroll init-model` output with the defaults: hidden 128, 4 heads, 2 layers, max_len 1024, seed 0."""
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
 
     return init_model(tmp_path_factory.mktemp("tiny_model") / "model", seed=0)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maskroll.server.engine import Engine, EngineLimits, EngineOutput, EngineRequest
+from maskroll.server.engines.contract import Engine, EngineLimits, EngineOutput, EngineRequest
 
 
 def scripted_token(seed: int, j: int, vocab: int) -> int:

@@ -18,7 +18,7 @@ import pytest
 
 from maskroll.server.app import Replica, start
 from maskroll.server.config import ServerConfig
-from maskroll.server.engine import Engine
+from maskroll.server.engines.contract import Engine
 
 
 class ServerLoop:
@@ -60,7 +60,7 @@ def replica(loop: ServerLoop, config: ServerConfig, engine: Engine) -> Iterator[
 
 
 def start_torch_engine(loop: ServerLoop, model_dir: Path, **kwargs) -> Engine:
-    from maskroll.server.torch_engine import TorchEngine
+    from maskroll.server.engines.torch_engine import TorchEngine
 
     async def make() -> Engine:
         engine = TorchEngine(model_dir, **kwargs)

@@ -15,8 +15,8 @@ import pytest
 from grpc_fixtures import replica, server_config, server_loop, torch_engine, torch_server  # noqa: F401
 
 from maskroll.client import RolloutClient, RolloutError, SamplingOptions, SyncRolloutClient
-from maskroll.client._proto import rollout_pb2 as pb
-from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
+from maskroll.proto._generated import rollout_pb2 as pb
+from maskroll.proto._generated import rollout_pb2_grpc as pb_grpc
 
 PROMPT = np.array([256, 72, 105], "<i4")  # <bos> "Hi"
 

@@ -64,7 +64,7 @@ def test_client_imports_no_torch_vllm_or_transformers():
         "import sys, json\n"
         "import maskroll.client as c\n"
         "c.RolloutClient, c.SyncRolloutClient, c.RolloutError, c.ServerInfo\n"
-        "import maskroll.client.rollout_client, maskroll.client.wire\n"
+        "import maskroll.client.rollout_client, maskroll.proto.wire\n"
         "print(json.dumps([m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from maskroll.server.config import ConfigError, EngineConfig, ServerConfig
-from maskroll.server.engine import EngineRequest, SamplingParams
+from maskroll.server.engines.contract import EngineRequest, SamplingParams
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
@@ -30,7 +30,7 @@ def clean_env(monkeypatch):
 
 
 def base(config: EngineConfig, *, cuda: bool, gpus: int = 0) -> dict:
-    from maskroll.server.vllm_engine import base_engine_args
+    from maskroll.server.engines.vllm_engine import base_engine_args
 
     return base_engine_args(MODEL, config, max_logprobs=20, max_batch=32, cuda=cuda, gpu_count=gpus)
 
@@ -99,7 +99,7 @@ def test_explicit_settings_reach_the_engine_arguments():
 
 @needs_vllm
 def test_pass_through_values_are_parsed_as_vllm_serve_parses_them():
-    from maskroll.server.vllm_engine import parse_vllm_args
+    from maskroll.server.engines.vllm_engine import parse_vllm_args
 
     got = parse_vllm_args(
         {
@@ -127,7 +127,7 @@ def test_pass_through_values_are_parsed_as_vllm_serve_parses_them():
 def test_pass_through_reaches_async_engine_args():
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from maskroll.server.vllm_engine import engine_args
+    from maskroll.server.engines.vllm_engine import engine_args
 
     config = EngineConfig(max_model_len=256, seed=3, vllm_args={"max_num_batched_tokens": "512"})
     args, passed = engine_args(MODEL, config, max_logprobs=20, max_batch=8)
@@ -161,7 +161,7 @@ def test_pass_through_reaches_async_engine_args():
 def test_unknown_forbidden_and_bad_pass_through_args_are_refused_by_name(vllm_args, needles):
     """Checked again in the engine module: an EngineConfig built without validation (model_construct)
     must not get the mask-contract names past it either."""
-    from maskroll.server.vllm_engine import parse_vllm_args
+    from maskroll.server.engines.vllm_engine import parse_vllm_args
 
     with pytest.raises(ConfigError) as err:
         parse_vllm_args(vllm_args)
@@ -174,7 +174,7 @@ def test_unknown_forbidden_and_bad_pass_through_args_are_refused_by_name(vllm_ar
 
 
 def _torch_engine(model_dir: Path, **engine_config):
-    from maskroll.server.engines import make_engine
+    from maskroll.server.engines.factory import make_engine
 
     config = ServerConfig(model=model_dir, engine="torch", engine_config=EngineConfig(**engine_config))
     return make_engine(config)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from maskroll.server import cli
-from maskroll.server.model_init import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, encode_text, init_model
+from maskroll.app import cli
+from maskroll.app.model_init import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, encode_text, init_model
 
 TEXT = "naïve café — 🙂\n\tbytes: \x00\x7f"
 

@@ -14,13 +14,13 @@ from fake_engine import FakeEngine, scripted_token
 from grpc_fixtures import server_config, server_loop, torch_engine, torch_server, wait_until  # noqa: F401
 
 from maskroll.client import RecordAssembler, RolloutClient, SamplingOptions
-from maskroll.client.records import PromptJob, rollout_id_for
-from maskroll.client.sampling import temperature_problem
-from maskroll.server.engine import EngineRequest, SamplingParams
-from maskroll.server.errors import InvalidArgument
-from maskroll.server.jobs import JobRunner
-from maskroll.server.pipeline import Pipeline
-from maskroll.server.puller import JobRejected
+from maskroll.proto.records import PromptJob, rollout_id_for
+from maskroll.proto.sampling import temperature_problem
+from maskroll.server.engines.contract import EngineRequest, SamplingParams
+from maskroll.server.generation.pipeline import Pipeline
+from maskroll.server.grpc_api.errors import InvalidArgument
+from maskroll.server.pull.jobs import JobRunner
+from maskroll.server.pull.puller import JobRejected
 
 ARRAYS = ("completion_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs")
 
@@ -207,7 +207,7 @@ def test_held_tokens_wait_at_most_the_interval(fake_model_dir):
 
 
 def test_records_build_no_chunk(fake_model_dir, monkeypatch):
-    import maskroll.server.records_builder as rb
+    import maskroll.server.generation.records_builder as rb
 
     def refuse(*args, **kwargs):
         raise AssertionError("a chunk was built for a caller that streams none")
@@ -220,7 +220,7 @@ def test_records_build_no_chunk(fake_model_dir, monkeypatch):
 
 
 def test_chunks_stay_under_half_the_largest_message():
-    from maskroll.server.pipeline import Coalescing
+    from maskroll.server.generation.pipeline import Coalescing
 
     rule = Coalescing(0.05, max_tokens=64, message_bytes=1 << 20)
     # 12 + 8 K bytes a token: K = 20 -> 172 B, 64 tokens fit; K = 4096 -> 32780 B, 15 fit in 512 KiB

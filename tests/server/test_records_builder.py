@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from maskroll.client.records import RecordAssembler, rollout_id_for
-from maskroll.server.engine import EngineOutput, SamplingParams
-from maskroll.server.records_builder import (
+from maskroll.proto.records import RecordAssembler, rollout_id_for
+from maskroll.server.engines.contract import EngineOutput, SamplingParams
+from maskroll.server.generation.records_builder import (
     RecordHeader,
     SampleBuilder,
     build_record,

@@ -33,7 +33,7 @@ class Serve:
 
     def __init__(self, model_dir: Path, log: Path, *args: str, engine: str = "torch", env=None) -> None:
         self.log = log
-        cmd = [sys.executable, "-m", "maskroll.server.cli", "serve", "--model", str(model_dir),
+        cmd = [sys.executable, "-m", "maskroll.app.cli", "serve", "--model", str(model_dir),
                "--engine", engine, "--port", "0", "--metrics-port", "0", *args]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env)
         deadline = time.monotonic() + (120 if engine == "torch" else 600)
@@ -193,7 +193,7 @@ def test_vllm_engine_flags_reach_the_engine_and_get_info(serve, tmp_path):
     ],
 )  # fmt: skip
 def test_engine_arguments_vllm_refuses_exit_2_naming_them(tiny_model_dir, tmp_path, args, needles):
-    cmd = [sys.executable, "-m", "maskroll.server.cli", "serve", "--model", str(tiny_model_dir),
+    cmd = [sys.executable, "-m", "maskroll.app.cli", "serve", "--model", str(tiny_model_dir),
            "--engine", "vllm", "--port", "0", "--enforce-eager", *args]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_vllm_env(tmp_path))
     assert out.returncode == 2, out.stderr[-3000:]

@@ -316,7 +316,7 @@ def test_the_token_never_appears_in_the_config_repr(model):
 def test_serve_exits_2_on_a_bad_config_before_importing_anything_heavy(tmp_path):
     code = (
         "import sys, json\n"
-        "from maskroll.server.cli import main\n"
+        "from maskroll.app.cli import main\n"
         f"rc = main(['serve', '--model', {str(tmp_path / 'nope')!r}, '--port', '99999'])\n"
         "heavy = [m for m in ('grpc', 'torch', 'vllm', 'transformers') if m in sys.modules]\n"
         "print(json.dumps([rc, heavy]))\n"
@@ -339,7 +339,7 @@ def test_serve_on_a_port_in_use_exits_1_with_a_clear_message(tiny_model_dir):
         taken.listen()
         port = taken.getsockname()[1]
         out = subprocess.run(
-            [sys.executable, "-m", "maskroll.server.cli", "serve", "--model", str(tiny_model_dir),
+            [sys.executable, "-m", "maskroll.app.cli", "serve", "--model", str(tiny_model_dir),
              "--engine", "torch", "--port", str(port)],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip

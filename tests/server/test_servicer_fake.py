@@ -18,7 +18,7 @@ from fake_engine import FakeEngine, scripted_token
 from grpc_fixtures import replica, server_config, server_loop, wait_until  # noqa: F401
 
 from maskroll.client import RecordAssembler, RolloutClient, RolloutError, SamplingOptions
-from maskroll.client.records import rollout_id_for
+from maskroll.proto.records import rollout_id_for
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from maskroll.server.engine import EngineOutput, EngineRequest, SamplingParams
-from maskroll.server.model_init import encode_text, init_model
-from maskroll.server.torch_engine import TorchEngine
+from maskroll.app.model_init import encode_text, init_model
+from maskroll.server.engines.contract import EngineOutput, EngineRequest, SamplingParams
+from maskroll.server.engines.torch_engine import TorchEngine
 from maskroll.trainer_adapter.processed import processed_logprobs
 
 # Engine vs one-forward recompute in float32: max |Δ| = 5.2e-5 over 48 requests × 64 tokens × 20 top-K
@@ -395,8 +395,8 @@ def test_update_weights_between_steps(tiny_model_dir, hf_model, tmp_path) -> Non
 
 
 def test_engine_reports_the_model_eos(tiny_model_dir):
-    from maskroll.server.model_init import EOS_ID
-    from maskroll.server.torch_engine import TorchEngine
+    from maskroll.app.model_init import EOS_ID
+    from maskroll.server.engines.torch_engine import TorchEngine
 
     assert TorchEngine(tiny_model_dir, threads=1).limits.eos_token_ids == (EOS_ID,)
 
@@ -405,7 +405,7 @@ def test_a_row_whose_distribution_is_not_finite_fails_alone(tiny_model_dir, monk
     """The guard bypassed, a temperature of 1e-40 in a shared batch makes that row's μ NaN: it ends with
     a SamplingError naming it while the other rows of the same batch run to the end (before issue 11,
     the exception killed the decode thread and every request hung)."""
-    from maskroll.server import torch_engine
+    from maskroll.server.engines import torch_engine
 
     monkeypatch.setattr(torch_engine, "MIN_TEMPERATURE", 0.0)
     eng = _engine(tiny_model_dir)
@@ -457,7 +457,7 @@ def test_a_stuck_forward_kills_the_engine_and_fails_what_is_in_flight(tiny_model
     import threading
     import time
 
-    from maskroll.server.engine import EngineDead
+    from maskroll.server.engines.contract import EngineDead
 
     eng = _engine(tiny_model_dir, stall_timeout_s=0.5)
     real, stuck = eng._forward, threading.Event()

@@ -15,8 +15,8 @@ import pytest
 from grpc_fixtures import replica, server_config, server_loop, start_torch_engine, wait_until  # noqa: F401
 
 from maskroll.client import RecordAssembler, RolloutClient, RolloutError, SamplingOptions
-from maskroll.client._proto import rollout_pb2 as pb
-from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
+from maskroll.proto._generated import rollout_pb2 as pb
+from maskroll.proto._generated import rollout_pb2_grpc as pb_grpc
 
 PROMPT = [256, 84, 104, 101]  # <bos> "The"
 OPTS = SamplingOptions(max_tokens=12, logprobs_k=5, seed=5, ignore_eos=True)
@@ -29,7 +29,7 @@ def weights(tmp_path_factory, tiny_model_dir):
     import torch
     from safetensors.torch import save_file
 
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
 
     base = tmp_path_factory.mktemp("weights")
     root = base / "root"
@@ -183,8 +183,8 @@ def test_a_file_swapped_for_a_symlink_between_check_and_load_is_refused(server_l
     old weights serve on."""
     import shutil
 
-    from maskroll.server import weights as weights_module
-    from maskroll.server.errors import PermissionDenied
+    from maskroll.server.grpc_api.errors import PermissionDenied
+    from maskroll.server.weights import checkpoints as weights_module
 
     swap = weights / "swap"
     shutil.copytree(weights / "v1", swap)

@@ -8,10 +8,16 @@ import math
 import numpy as np
 import pytest
 
-from maskroll.client.records import SamplingOptions
-from maskroll.client.sampling import temperature_problem
-from maskroll.server.errors import InvalidArgument
-from maskroll.server.validation import Caps, check_ids, check_prompt, engine_requests, sampling_params
+from maskroll.proto.records import SamplingOptions
+from maskroll.proto.sampling import temperature_problem
+from maskroll.server.generation.validation import (
+    Caps,
+    check_ids,
+    check_prompt,
+    engine_requests,
+    sampling_params,
+)
+from maskroll.server.grpc_api.errors import InvalidArgument
 
 CAPS = Caps(vocab_size=100, max_model_len=64, max_logprobs=20, max_tokens=50, max_n=8)
 PROMPT = np.array([1, 2, 3], np.int32)
@@ -97,7 +103,7 @@ def test_good_options_map_to_engine_params():
 
 
 def test_caps_take_the_narrower_limit():
-    from maskroll.server.engine import EngineLimits
+    from maskroll.server.engines.contract import EngineLimits
 
     caps = Caps.of(
         EngineLimits(vocab_size=10, max_model_len=32, max_logprobs=20), max_logprobs=15, max_tokens=5, max_n=2

@@ -13,7 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maskroll.server.vllm_engine import _split_by_version, check_checkpoint, logprob_arrays, token_versions
+from maskroll.server.engines.vllm_engine import (
+    _split_by_version,
+    check_checkpoint,
+    logprob_arrays,
+    token_versions,
+)
 
 
 @dataclass

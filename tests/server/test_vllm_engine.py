@@ -25,9 +25,9 @@ import torch
 from grpc_fixtures import ServerLoop
 from vllm_fixtures import server_loop, vllm_engine  # noqa: F401  (fixtures)
 
-from maskroll.server import vllm_engine as vllm_engine_module
-from maskroll.server.engine import EngineOutput, EngineRequest, SamplingParams
-from maskroll.server.model_init import init_model
+from maskroll.app.model_init import init_model
+from maskroll.server.engines import vllm_engine as vllm_engine_module
+from maskroll.server.engines.contract import EngineOutput, EngineRequest, SamplingParams
 from maskroll.trainer_adapter import processed_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -262,7 +262,7 @@ def test_step0_topk_matches_hf_reference(
 
 def test_step0_topk_matches_torch_engine(rig: Rig, tiny_model_dir: Path) -> None:
     """The two engines' μ at the first completion position: same prompt, same model, same numbers."""
-    torch_engine_module = pytest.importorskip("maskroll.server.torch_engine")
+    torch_engine_module = pytest.importorskip("maskroll.server.engines.torch_engine")
 
     async def both():
         ref_engine = torch_engine_module.TorchEngine(tiny_model_dir, max_logprobs=MAX_LOGPROBS, threads=1)

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from maskroll.server.errors import InvalidArgument, PermissionDenied
-from maskroll.server.weights import open_checked, resolve_checkpoint
+from maskroll.server.grpc_api.errors import InvalidArgument, PermissionDenied
+from maskroll.server.weights.checkpoints import open_checked, resolve_checkpoint
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from grpc_fixtures import ServerLoop
 
-from maskroll.server.engine import Engine
+from maskroll.server.engines.contract import Engine
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 MAX_LOGPROBS = 20
@@ -119,7 +119,7 @@ def vllm_engine(tiny_model_dir: Path) -> Iterator[Engine]:
     with _use() as shared:
         if shared.engine is None:
             from maskroll.server.config import EngineConfig
-            from maskroll.server.vllm_engine import VllmEngine
+            from maskroll.server.engines.vllm_engine import VllmEngine
 
             _set_env()
             # The defaults otherwise: float32, a 1 GiB KV cache on CPU, the model's context of 1024.

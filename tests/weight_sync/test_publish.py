@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from maskroll.client import BroadcastError, ReplicaWeights, RunInfo
-from maskroll.server.weights import resolve_checkpoint
+from maskroll.server.weights.checkpoints import resolve_checkpoint
 from maskroll.weight_sync import (
     CHECKPOINT_FILE,
     CheckpointPublisher,

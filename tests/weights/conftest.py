@@ -20,7 +20,7 @@ from grpc_fixtures import ServerLoop, replica, server_config, start_torch_engine
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
 
     return init_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def weights_root(tmp_path_factory, model_dir) -> Path:
     """v1 and v2: the tiny model's architecture with other seeds."""
-    from maskroll.server.model_init import init_model
+    from maskroll.app.model_init import init_model
 
     root = tmp_path_factory.mktemp("weights")
     init_model(root / "v1", seed=1)
@@ -48,7 +48,7 @@ def spool(tmp_path_factory):
     """Where pushed weights are received (the replica runs in this process, so the env applies)."""
     import os
 
-    from maskroll.server.weight_stream import SPOOL_ENV
+    from maskroll.server.weights.receive import SPOOL_ENV
 
     path = tmp_path_factory.mktemp("spool")
     old = os.environ.get(SPOOL_ENV)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import grpc
 
-from maskroll.client import RolloutClient, RolloutError, wire
-from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
+from maskroll.client import RolloutClient, RolloutError
+from maskroll.proto import wire
+from maskroll.proto._generated import rollout_pb2_grpc as pb_grpc
 from maskroll.weight_sync.stream import chunks_of, manifest_of
 
 

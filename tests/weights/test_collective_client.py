@@ -63,7 +63,7 @@ def test_collective_publish_records_the_version_in_the_run_like_the_other_publis
     import torch
 
     from maskroll.client import RolloutQueue
-    from maskroll.client.local_redis import LocalRedis
+    from maskroll.local.redis_server import LocalRedis
     from maskroll.weight_sync.collective import COLLECTIVE_RECORD, CollectivePublisher
 
     model = torch.nn.Linear(4, 4)

@@ -11,7 +11,7 @@ import pytest
 from grpc_fixtures import server_config
 
 from maskroll.client import ReplicaWeights, RolloutQueue
-from maskroll.client.local_redis import LocalRedis
+from maskroll.local.redis_server import LocalRedis
 from maskroll.server.app import start
 from maskroll.weight_sync import CheckpointPublisher
 

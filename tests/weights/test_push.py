@@ -14,7 +14,7 @@ import pytest
 from push_helpers import call, info, messages, push, state_dict
 
 from maskroll.client import SamplingOptions
-from maskroll.client._proto import rollout_pb2 as pb
+from maskroll.proto._generated import rollout_pb2 as pb
 from maskroll.weight_sync.stream import manifest_of
 
 PROMPT = [256, 84, 104, 101]
@@ -142,7 +142,7 @@ def test_a_dropped_connection_mid_push_changes_nothing(torch_replica, weights_ro
             await asyncio.sleep(30)  # ...and the rest never comes
             yield msgs[half]
 
-        from maskroll.client._proto import rollout_pb2_grpc as pb_grpc
+        from maskroll.proto._generated import rollout_pb2_grpc as pb_grpc
 
         async with grpc.aio.insecure_channel(addr) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -16,8 +16,8 @@ import torch
 from procs import Replicas
 
 from maskroll.client import ReplicaWeights, RolloutQueue, SyncRolloutClient
-from maskroll.client.local_redis import LocalRedis
-from maskroll.client.streams import StreamKeys
+from maskroll.local.redis_server import LocalRedis
+from maskroll.proto.streams import StreamKeys
 from maskroll.weight_sync.stream import STREAM_RECORD, StreamPublisher
 
 pytestmark = pytest.mark.slow

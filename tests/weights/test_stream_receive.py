@@ -11,9 +11,9 @@ import pytest
 import torch
 from push_helpers import messages
 
-from maskroll.client import wire
-from maskroll.server import weight_stream
-from maskroll.server.errors import InvalidArgument
+from maskroll.proto import wire
+from maskroll.server.grpc_api.errors import InvalidArgument
+from maskroll.server.weights import receive as weight_stream
 
 TENSORS = {
     "a": torch.arange(3000, dtype=torch.float32).reshape(30, 100) / 7,
@@ -98,7 +98,7 @@ def test_a_cancelled_push_leaves_no_file_in_the_spool(tmp_path):
 
 
 def test_a_push_larger_than_free_memory_is_refused_before_any_byte(monkeypatch):
-    from maskroll.server.errors import FailedPrecondition
+    from maskroll.server.grpc_api.errors import FailedPrecondition
 
     monkeypatch.setattr(weight_stream, "memory_available", lambda: 1 << 20)
     big = {"w": torch.zeros(1 << 20)}  # 4 MiB

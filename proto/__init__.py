@@ -1,0 +1,11 @@
+"""maskroll.proto: the contract both sides import — the trainer SDK and the replicas alike.
+
+The wire schema (`maskroll/v1/rollout.proto`, the one source of truth for gRPC *and* the Redis records)
+and everything derived from it or shared by both ends of a stream: the generated code (`_generated/`,
+`make proto`), the protobuf ⇄ domain converter (`wire.py`), the plain-numpy record types
+(`records.py`), the rules for sampling options (`sampling.py`), the Redis key layout and stream
+primitives (`streams.py`), the Redis connection policy (`redis_conn.py`), the replica heartbeat codec
+(`heartbeat.py`) and the PushWeights manifest (`tensor_push.py`).
+
+It knows nothing of engines, trainers or torch. Importing the package loads nothing heavy.
+"""

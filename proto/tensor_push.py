@@ -1,0 +1,107 @@
+"""The manifest of a pushed state dict (PushWeights): which tensors follow, their layout and checksums.
+
+A push is the manifest, then every tensor's raw little-endian bytes in manifest order, cut into chunks
+of at most `chunk_bytes`. Dtypes are named as safetensors names them (F32, BF16, ...), so the replica
+can place the bytes straight into tensors of those dtypes, or into a safetensors file it loads like a
+checkpoint directory (server/weights/receive.py). Pure data and checks: knows nothing of torch (the
+trainer side turns tensors into these), grpc or protobuf (`wire.py` converts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# safetensors dtype name -> bytes per element
+DTYPE_SIZES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
+# A chunk rides in one gRPC message, which the replica caps (--max-message-bytes, 16 MiB by default).
+# 4 MiB: large enough that the per-message cost is noise next to the bytes (1 MiB costs 5-10 % more CPU
+# on either side), small next to what gRPC's flow-control window buffers anyway on a fast link (tens of
+# MiB: a replica's update peaks at the model plus 15-60 MB, bench/weights.py and docs/benchmarks.md).
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # safetensors name
+    shape: tuple[int, ...]
+    nbytes: int
+    crc32: int = 0  # zlib.crc32 of the bytes
+
+    def check(self) -> None:
+        """Raise ValueError naming the tensor if its layout is inconsistent."""
+        if not self.name:
+            raise ValueError("a tensor in the manifest has an empty name")
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(
+                f"tensor {self.name!r}: dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}"
+            )
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"tensor {self.name!r}: negative dimension in shape {list(self.shape)}")
+        n = DTYPE_SIZES[self.dtype]
+        for d in self.shape:
+            n *= d
+        if n != self.nbytes:
+            raise ValueError(
+                f"tensor {self.name!r}: nbytes {self.nbytes} != {n} "
+                f"(shape {list(self.shape)} of {self.dtype})"
+            )
+
+
+@dataclass(frozen=True)
+class WeightsManifest:
+    version: int
+    tensors: tuple[TensorSpec, ...]
+    run_id: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def check(self, max_bytes: int | None = None) -> None:
+        """Raise ValueError if the manifest is empty, names a tensor twice, has an inconsistent tensor or
+        is larger than `max_bytes`."""
+        if self.version < 0:
+            raise ValueError(f"version {self.version} is negative")
+        if not self.tensors:
+            raise ValueError("the manifest lists no tensors: nothing to load")
+        seen: set[str] = set()
+        for t in self.tensors:
+            t.check()
+            if t.name in seen:
+                raise ValueError(f"tensor {t.name!r} appears twice in the manifest")
+            seen.add(t.name)
+        if max_bytes is not None and self.total_bytes > max_bytes:
+            raise ValueError(
+                f"the pushed weights are {self.total_bytes} bytes, more than this replica accepts "
+                f"({max_bytes})"
+            )
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """An UpdateWeights through an NCCL group (proto CollectiveSource): the trainer is rank 0 of
+    `world_size` ranks, this replica's workers start at `rank_offset`. `init`: join the group (the
+    rendezvous at master_address:master_port) and load nothing; else receive `tensors`, in order."""
+
+    group_name: str
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    init: bool = False
+    tensors: tuple[TensorSpec, ...] = ()
+    packed: bool = True

@@ -1,0 +1,687 @@
+"""The one place that converts protobuf messages ⇄ domain objects (STYLE.md §5, §9).
+
+Arrays travel as packed little-endian bytes. Decoding validates lengths and shapes, so a truncated or
+foreign payload raises `WireError` instead of producing a record a trainer could misread.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from ._generated import rollout_pb2 as pb
+from .records import (
+    MULTI_TURN_SCHEMA_VERSION,
+    SCHEMA_VERSION,
+    PromptJob,
+    RolloutChunk,
+    RolloutRecord,
+    SamplingOptions,
+    Semantics,
+    ServerInfo,
+    WeightsUpdate,
+    WeightsUpdateResult,
+)
+from .tensor_push import CollectiveSpec, TensorSpec, WeightsManifest
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+_U8 = np.dtype("u1")
+
+FINISH_TO_PB = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+
+
+class WireError(ValueError):
+    """A payload that does not decode to a valid maskroll message."""
+
+
+def pack(a: np.ndarray, dtype: np.dtype) -> bytes:
+    return np.ascontiguousarray(a, dtype=dtype).tobytes()
+
+
+def unpack(data: bytes, dtype: np.dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise WireError(f"{what}: {len(data)} bytes, expected {expected} for shape {shape}")
+    # frombuffer is a zero-copy read-only view; astype gives native-endian, writable arrays.
+    return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+
+
+# ---- sampling options -----------------------------------------------------------------------------
+
+
+def options_to_pb(o: SamplingOptions) -> pb.SamplingOptions:
+    msg = pb.SamplingOptions(
+        temperature=o.temperature,
+        top_p=o.top_p,
+        top_k=o.top_k,
+        max_tokens=o.max_tokens,
+        n=o.n,
+        logprobs_k=o.logprobs_k,
+        stop_token_ids=list(o.stop_token_ids),
+        ignore_eos=o.ignore_eos,
+    )
+    if o.seed is not None:
+        msg.seed = o.seed
+    return msg
+
+
+def options_from_pb(m: pb.SamplingOptions) -> SamplingOptions:
+    return SamplingOptions(
+        max_tokens=m.max_tokens,
+        temperature=m.temperature if m.HasField("temperature") else 1.0,
+        top_p=m.top_p if m.HasField("top_p") else 1.0,
+        top_k=m.top_k if m.HasField("top_k") else 0,
+        logprobs_k=m.logprobs_k,
+        n=m.n or 1,
+        seed=m.seed if m.HasField("seed") else None,
+        stop_token_ids=tuple(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+    )
+
+
+def generate_request(
+    prompt_ids,
+    options: SamplingOptions,
+    *,
+    request_id: str = "",
+    job_id: str = "",
+    group_id: str = "",
+    metadata: dict[str, str] | None = None,
+    include_record_arrays: bool = False,
+    rollout_stream: str = "",
+) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt_token_ids=pack(np.asarray(prompt_ids), _I32),
+        options=options_to_pb(options),
+        request_id=request_id,
+        job_id=job_id,
+        group_id=group_id,
+        metadata=metadata or {},
+        include_record_arrays=include_record_arrays,
+        rollout_stream=rollout_stream,
+    )
+
+
+def prompt_from_pb(m: pb.GenerateRequest) -> np.ndarray:
+    if len(m.prompt_token_ids) % 4:
+        raise WireError(f"prompt_token_ids: {len(m.prompt_token_ids)} bytes is not a whole number of int32")
+    return unpack(m.prompt_token_ids, _I32, (len(m.prompt_token_ids) // 4,), "prompt_token_ids")
+
+
+# ---- prompt jobs ----------------------------------------------------------------------------------
+
+
+def job_to_pb(j: PromptJob) -> pb.PromptJob:
+    return pb.PromptJob(
+        job_id=j.job_id,
+        prompt_token_ids=pack(j.prompt_ids, _I32),
+        options=options_to_pb(j.options),
+        group_id=j.group_id,
+        metadata=j.metadata,
+        submitted_at=j.submitted_at,
+        rollout_stream=j.rollout_stream,
+        schema_version=SCHEMA_VERSION,
+        run_id=j.run_id,
+    )
+
+
+def decode_job(data: bytes) -> PromptJob:
+    m = pb.PromptJob()
+    try:
+        m.ParseFromString(data)
+    except Exception as e:
+        raise WireError(f"not a PromptJob: {e}") from e
+    if m.schema_version != SCHEMA_VERSION:
+        raise WireError(f"PromptJob schema_version {m.schema_version}; this replica reads {SCHEMA_VERSION}")
+    if not m.job_id or len(m.prompt_token_ids) % 4:
+        raise WireError("PromptJob without job_id or with a partial int32 prompt")
+    prompt = unpack(m.prompt_token_ids, _I32, (len(m.prompt_token_ids) // 4,), "prompt_token_ids")
+    return PromptJob(
+        job_id=m.job_id,
+        prompt_ids=prompt,
+        options=options_from_pb(m.options),
+        group_id=m.group_id,
+        metadata=dict(m.metadata),
+        submitted_at=m.submitted_at,
+        rollout_stream=m.rollout_stream,
+        run_id=m.run_id,
+    )
+
+
+# ---- records --------------------------------------------------------------------------------------
+
+
+def semantics_to_pb(s: Semantics) -> pb.Semantics:
+    return pb.Semantics(**s.__dict__)
+
+
+def semantics_from_pb(m: pb.Semantics) -> Semantics:
+    return Semantics(
+        logprobs_mode=m.logprobs_mode,
+        temperature=m.temperature,
+        top_p=m.top_p,
+        top_k=m.top_k,
+        logprobs_k=m.logprobs_k,
+        engine=m.engine,
+        engine_version=m.engine_version,
+        model=m.model,
+    )
+
+
+def record_to_pb(r: RolloutRecord, *, arrays: bool = True) -> pb.RolloutRecord:
+    multi_turn = r.loss_mask is not None
+    msg = pb.RolloutRecord(
+        schema_version=MULTI_TURN_SCHEMA_VERSION if multi_turn else r.schema_version,
+        rollout_id=r.rollout_id,
+        request_id=r.request_id,
+        job_id=r.job_id,
+        group_id=r.group_id,
+        sample_index=r.sample_index,
+        metadata=r.metadata,
+        prompt_token_ids=pack(r.prompt_ids, _I32),
+        num_tokens=r.num_tokens,
+        finish_reason=FINISH_TO_PB[r.finish_reason],
+        semantics=semantics_to_pb(r.semantics),
+        policy_version_first=r.policy_version_first,
+        policy_version_last=r.policy_version_last,
+        version_changes=[pb.VersionChange(token_index=i, version=v) for i, v in r.version_changes],
+        replica_id=r.replica_id,
+        created_at=r.created_at,
+        group_size=r.group_size,
+        run_id=r.run_id,
+    )
+    if multi_turn:
+        msg.segment_starts.extend(r.segment_starts)
+        msg.num_turns = r.num_turns
+    if arrays:
+        for name, _, a in _record_arrays(r):
+            setattr(msg, name, a.tobytes())
+    return msg
+
+
+# RolloutRecord's array fields: (field name, field number, dtype), in the order encode_record appends them.
+_RECORD_ARRAYS = (
+    ("completion_token_ids", 9, _I32),
+    ("sampled_logprobs", 10, _F32),
+    ("sampled_ranks", 11, _I32),
+    ("topk_ids", 12, _I32),
+    ("topk_logprobs", 13, _F32),
+    ("loss_mask", 24, _U8),
+)
+# The ones decode_record takes out of the payload itself (fields 9-13, [T] and [T, K]); the small loss
+# mask stays with the header, which protobuf parses.
+_BIG_ARRAYS = {number: name for name, number, _ in _RECORD_ARRAYS[:5]}
+
+
+def _record_arrays(r: RolloutRecord) -> list[tuple[str, int, np.ndarray]]:
+    """The record's array fields as contiguous little-endian arrays (no copy when they already are).
+    A multi-turn record's logprobs exist only where the model sampled: only those travel."""
+    multi_turn = r.loss_mask is not None
+    gen = np.asarray(r.loss_mask, bool) if multi_turn else slice(None)
+    values = (r.completion_ids, r.sampled_logprobs[gen], r.sampled_ranks[gen], r.topk_ids[gen])
+    values += (r.topk_logprobs[gen], r.loss_mask)
+    return [
+        (name, number, np.ascontiguousarray(a, dtype=dtype))
+        for (name, number, dtype), a in zip(_RECORD_ARRAYS, values, strict=True)
+        if a is not None
+    ]
+
+
+def _varint(n: int, pad: int = 0) -> bytes:
+    """`n` as a protobuf varint, `pad` bytes longer than it need be (0x80 continuation bytes, then 0x00:
+    the same value to every protobuf parser)."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    if pad:
+        out += bytes((n | 0x80,)) + b"\x80" * (pad - 1) + b"\x00"
+    else:
+        out.append(n)
+    return bytes(out)
+
+
+@functools.lru_cache(maxsize=1024)  # records of one length share their heads: ~0.2 µs instead of ~1.4
+def _field_head(number: int, size: int, at: int) -> bytes:
+    """The tag and length varint of a length-delimited field that starts at byte `at` (mod 4) of the
+    payload, padded (each varint at most 5 bytes) so that its contents start at a multiple of 4:
+    decode_record's np.frombuffer views of int32 / float32 arrays are then aligned (numpy runs unaligned
+    ones about 2× slower)."""
+    tag, length = _varint((number << 3) | 2), _varint(size)
+    pad = -(at + len(tag) + len(length)) % 4
+    in_length = min(pad, 5 - len(length))
+    return _varint((number << 3) | 2, pad - in_length) + _varint(size, in_length)
+
+
+def _loss_mask(m: pb.RolloutRecord, t: int) -> np.ndarray | None:
+    """bool [T] of a multi-turn (version 2) record, None for a single-turn one."""
+    if m.schema_version != MULTI_TURN_SCHEMA_VERSION:
+        if m.loss_mask or m.segment_starts or m.num_turns:
+            raise WireError(f"a version {m.schema_version} record carries multi-turn fields (version 2)")
+        return None
+    mask = unpack(m.loss_mask, _U8, (t,), "loss_mask")
+    if mask.size and mask.max() > 1:
+        raise WireError("loss_mask holds a value other than 0 and 1")
+    starts = list(m.segment_starts)
+    if starts != sorted(set(starts)) or any(not 0 < s < t for s in starts):
+        raise WireError(f"segment_starts {starts} are not increasing within (0, {t})")
+    return mask.astype(bool)
+
+
+def _scatter(
+    data: bytes, dtype: np.dtype, t: int, mask: np.ndarray | None, tail: tuple, what: str, read=unpack
+):
+    """A logprob array [T, *tail] from its bytes (read by `read`: unpack or _view): all T rows, or
+    (multi-turn) the rows where `mask` is set, zero elsewhere."""
+    if mask is None:
+        return read(data, dtype, (t, *tail), what)
+    out = np.zeros((mask.size, *tail), dtype.newbyteorder("="))
+    out[mask] = read(data, dtype, (int(mask.sum()), *tail), what)
+    return out
+
+
+def _view(data: bytes | memoryview, dtype: np.dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """unpack without the copy: a read-only view of `data` (on a little-endian host; a big-endian one
+    gets a native copy)."""
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise WireError(f"{what}: {len(data)} bytes, expected {expected} for shape {shape}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="), copy=False)
+
+
+def record_from_pb(m: pb.RolloutRecord, *, arrays: bool = True) -> RolloutRecord:
+    """Decode and validate. With arrays=False the arrays are left empty (a stream's record header)."""
+    return _record_from(m, arrays, {name: getattr(m, name) for name in _BIG_ARRAYS.values()})
+
+
+def _record_from(m: pb.RolloutRecord, arrays: bool, blobs: dict, views: bool = False) -> RolloutRecord:
+    """record_from_pb, with the bytes of the array fields 9-13 taken from `blobs` (field name → bytes or
+    memoryview; a missing name is an empty field) rather than from `m`. views: the [T, K] top-K arrays
+    are read-only views of those bytes rather than copies."""
+    big = _view if views else unpack
+    if m.schema_version not in (SCHEMA_VERSION, MULTI_TURN_SCHEMA_VERSION):
+        raise WireError(
+            f"schema_version {m.schema_version}; this client reads {SCHEMA_VERSION} (single-turn) and "
+            f"{MULTI_TURN_SCHEMA_VERSION} (multi-turn)"
+        )
+    if m.finish_reason not in FINISH_FROM_PB:
+        raise WireError(f"finish_reason {m.finish_reason} is not a finished state")
+    if m.semantics.logprobs_mode != "processed":
+        raise WireError(f"logprobs_mode {m.semantics.logprobs_mode!r}; maskroll records carry 'processed'")
+    t, k = m.num_tokens, m.semantics.logprobs_k
+    if k < 0:  # int32 on the wire; a [T, -1] shape would pass the byte count when T = 0
+        raise WireError(f"semantics.logprobs_k {k} is negative")
+    if len(m.prompt_token_ids) % 4:
+        raise WireError("prompt_token_ids is not a whole number of int32")
+    prompt = unpack(m.prompt_token_ids, _I32, (len(m.prompt_token_ids) // 4,), "prompt_token_ids")
+    n = t if arrays else 0
+    mask = _loss_mask(m, t) if arrays else None
+    rec = RolloutRecord(
+        rollout_id=m.rollout_id,
+        request_id=m.request_id,
+        prompt_ids=prompt,
+        completion_ids=unpack(blobs.get("completion_token_ids", b""), _I32, (n,), "completion_token_ids"),
+        sampled_logprobs=_scatter(blobs.get("sampled_logprobs", b""), _F32, n, mask, (), "sampled_logprobs"),
+        sampled_ranks=_scatter(blobs.get("sampled_ranks", b""), _I32, n, mask, (), "sampled_ranks"),
+        topk_ids=_scatter(blobs.get("topk_ids", b""), _I32, n, mask, (k,), "topk_ids", big),
+        topk_logprobs=_scatter(blobs.get("topk_logprobs", b""), _F32, n, mask, (k,), "topk_logprobs", big),
+        finish_reason=FINISH_FROM_PB[m.finish_reason],
+        semantics=semantics_from_pb(m.semantics),
+        policy_version_first=m.policy_version_first,
+        policy_version_last=m.policy_version_last,
+        version_changes=[(c.token_index, c.version) for c in m.version_changes],
+        job_id=m.job_id,
+        group_id=m.group_id,
+        sample_index=m.sample_index,
+        metadata=dict(m.metadata),
+        replica_id=m.replica_id,
+        created_at=m.created_at,
+        group_size=m.group_size or 1,
+        schema_version=m.schema_version,
+        run_id=m.run_id,
+        loss_mask=mask,
+        segment_starts=list(m.segment_starts) if mask is not None else [],
+        num_turns=m.num_turns,
+    )
+    return rec
+
+
+def encode_record(r: RolloutRecord) -> bytes:
+    """A record as stored in Redis: the same protobuf message as on the gRPC stream (record_to_pb).
+
+    Protobuf serialises the header (every field but the arrays); the array fields follow it, each copied
+    once, straight from its numpy array into the payload. A parser reads fields in any order, so this
+    is the same message as record_to_pb(r).SerializeToString(), with the arrays last — without the two
+    intermediate copies (tobytes, then protobuf's own) and the temporary buffers that made a replica
+    page-fault every payload back in after each publish (docs/benchmarks.md, Queue)."""
+    parts: list = [record_to_pb(r, arrays=False).SerializeToString()]
+    at = len(parts[0])
+    for _, number, a in _record_arrays(r):
+        if a.size:  # proto3 leaves empty bytes fields out; so does this
+            head = _field_head(number, a.nbytes, at % 4)
+            parts += (head, a)
+            at += len(head) + a.nbytes
+    return b"".join(parts)
+
+
+def decode_record(data: bytes) -> RolloutRecord:
+    """A record from Redis bytes; any payload that is not a valid record raises WireError, nothing else
+    (tests/test_wire.py fuzzes this with random and mutated payloads).
+
+    Protobuf parses only the header: the array fields are found by one scan of the payload's top-level
+    fields (_split_arrays). The [T, K] top-K arrays (nine tenths of a payload at K = 20) are read-only
+    views of `data`, aligned when encode_record wrote it; the [T] arrays are copied out, so keeping one
+    of them does not keep the payload. A whole-message parse copied every array three times (into the
+    message, out to bytes, into the arrays): at 1024 tokens that was ~45 µs of a trainer's ~300 µs per
+    record read from the queue (docs/benchmarks.md, Queue)."""
+    if not isinstance(data, bytes):
+        data = bytes(data)  # views of a buffer the caller may still change would change the record
+    split = _split_arrays(data)
+    msg = pb.RolloutRecord()
+    try:
+        msg.ParseFromString(data if split is None else split[0])
+    except Exception as e:  # protobuf raises DecodeError or RuntimeWarning-ish errors by backend
+        raise WireError(f"not a RolloutRecord: {e}") from e
+    if split is None:
+        return record_from_pb(msg)
+    return _record_from(msg, True, split[1], views=True)
+
+
+def _split_arrays(data: bytes) -> tuple[bytes, dict[str, memoryview]] | None:
+    """A RolloutRecord payload split into its header (every top-level field but 9-13, in order, for
+    protobuf to parse) and views of the array fields' bytes (the last one of each number, as protobuf
+    keeps). None when the payload is not a plain run of fields (a group, a bad wire type, a field that
+    overruns the end): protobuf then parses all of it and says what is wrong."""
+    view, n, pos = memoryview(data), len(data), 0
+    header: list[memoryview] = []  # the stretches between array fields
+    arrays: dict[str, memoryview] = {}
+    start = 0  # of the current stretch
+    try:
+        while pos < n:
+            field_start = pos
+            tag, pos = _read_varint(data, pos)
+            kind = tag & 7
+            if kind == 2:  # length-delimited
+                size, pos = _read_varint(data, pos)
+                end = pos + size
+                if end > n:
+                    return None
+                name = _BIG_ARRAYS.get(tag >> 3)
+                if name is not None:
+                    arrays[name] = view[pos:end]
+                    header.append(view[start:field_start])
+                    start = end
+                pos = end
+            elif kind == 0:
+                _, pos = _read_varint(data, pos)
+            elif kind in (1, 5):  # fixed 64 / 32 bits
+                pos += 8 if kind == 1 else 4
+            else:
+                return None
+    except ValueError:  # a varint that runs off the end
+        return None
+    if pos != n:
+        return None
+    header.append(view[start:n])
+    return b"".join(header), arrays
+
+
+def _read_varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """(value, position after it) of the varint at data[pos] — records and PushWeights messages alike;
+    ValueError when it runs past the end of the message (or past 64 bits)."""
+    try:
+        byte = data[pos]
+        if byte < 0x80:  # most tags and small lengths: one byte
+            return byte, pos + 1
+        value, shift = byte & 0x7F, 7
+        while shift < 64:
+            pos += 1
+            byte = data[pos]
+            value |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                return value, pos + 1
+            shift += 7
+    except IndexError:
+        pass
+    raise ValueError("a message is truncated or malformed: a varint runs past its end")
+
+
+# ---- chunks ---------------------------------------------------------------------------------------
+
+
+def chunk_to_pb(c: RolloutChunk, *, record_arrays: bool = False) -> pb.GenerateChunk:
+    msg = pb.GenerateChunk(
+        request_id=c.request_id,
+        sample_index=c.sample_index,
+        start_index=c.start_index,
+        token_ids=pack(c.token_ids, _I32),
+        sampled_logprobs=pack(c.sampled_logprobs, _F32),
+        sampled_ranks=pack(c.sampled_ranks, _I32),
+        topk_ids=pack(c.topk_ids, _I32),
+        topk_logprobs=pack(c.topk_logprobs, _F32),
+        logprobs_k=c.topk_ids.shape[1] if c.topk_ids.ndim == 2 else 0,
+        policy_version=c.policy_version,
+    )
+    if c.record is not None:
+        msg.record.CopyFrom(record_to_pb(c.record, arrays=record_arrays))
+    return msg
+
+
+def chunk_from_pb(m: pb.GenerateChunk) -> RolloutChunk:
+    if len(m.token_ids) % 4:
+        raise WireError("token_ids is not a whole number of int32")
+    t, k = len(m.token_ids) // 4, m.logprobs_k
+    record = None
+    if m.HasField("record"):
+        record = record_from_pb(
+            m.record, arrays=len(m.record.completion_token_ids) > 0 or m.record.num_tokens == 0
+        )
+    return RolloutChunk(
+        request_id=m.request_id,
+        sample_index=m.sample_index,
+        start_index=m.start_index,
+        token_ids=unpack(m.token_ids, _I32, (t,), "token_ids"),
+        sampled_logprobs=unpack(m.sampled_logprobs, _F32, (t,), "sampled_logprobs"),
+        sampled_ranks=unpack(m.sampled_ranks, _I32, (t,), "sampled_ranks"),
+        topk_ids=unpack(m.topk_ids, _I32, (t, k), "topk_ids"),
+        topk_logprobs=unpack(m.topk_logprobs, _F32, (t, k), "topk_logprobs"),
+        policy_version=m.policy_version,
+        record=record,
+    )
+
+
+# ---- unary RPCs: GetInfo, UpdateWeights ---------------------------------------------------------
+
+
+def info_to_pb(i: ServerInfo) -> pb.ServerInfo:
+    return pb.ServerInfo(**i.__dict__)
+
+
+def info_from_pb(m: pb.ServerInfo) -> ServerInfo:
+    return ServerInfo(**{name: getattr(m, name) for name in ServerInfo.__dataclass_fields__})
+
+
+def update_request(version: int, checkpoint_dir: str, run_id: str = "") -> pb.UpdateWeightsRequest:
+    return pb.UpdateWeightsRequest(
+        version=version, checkpoint=pb.CheckpointSource(path=checkpoint_dir), run_id=run_id
+    )
+
+
+def update_from_pb(m: pb.UpdateWeightsRequest) -> WeightsUpdate:
+    source = m.WhichOneof("source")
+    return WeightsUpdate(
+        version=m.version,
+        checkpoint_dir=m.checkpoint.path if source == "checkpoint" else None,
+        collective=source == "collective",
+        run_id=m.run_id,
+    )
+
+
+def update_result_to_pb(r: WeightsUpdateResult) -> pb.UpdateWeightsResponse:
+    return pb.UpdateWeightsResponse(
+        version=r.version, load_seconds=r.load_seconds, paused_requests=r.paused_requests
+    )
+
+
+def update_result_from_pb(m: pb.UpdateWeightsResponse) -> WeightsUpdateResult:
+    return WeightsUpdateResult(
+        version=m.version, load_seconds=m.load_seconds, paused_requests=m.paused_requests
+    )
+
+
+# ---- client-streaming RPC: PushWeights ------------------------------------------------------------
+
+
+def tensor_spec_to_pb(t: TensorSpec) -> pb.TensorSpec:
+    return pb.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=t.nbytes, crc32=t.crc32)
+
+
+def tensor_spec_from_pb(m: pb.TensorSpec) -> TensorSpec:
+    return TensorSpec(name=m.name, dtype=m.dtype, shape=tuple(m.shape), nbytes=m.nbytes, crc32=m.crc32)
+
+
+def manifest_to_pb(m: WeightsManifest) -> pb.WeightsPushChunk:
+    return pb.WeightsPushChunk(
+        manifest=pb.WeightsManifest(
+            version=m.version, run_id=m.run_id, tensors=[tensor_spec_to_pb(t) for t in m.tensors]
+        )
+    )
+
+
+def manifest_from_pb(m: pb.WeightsPushChunk | bytes) -> WeightsManifest:
+    """The manifest a push starts with (a message, or its serialized bytes: the replica's PushWeights
+    handler takes raw bytes, `push_chunk_from_pb`); ValueError if the first message is not one."""
+    if isinstance(m, bytes):
+        try:
+            m = pb.WeightsPushChunk.FromString(m)
+        except Exception as e:  # protobuf's DecodeError
+            raise ValueError(f"the first PushWeights message is not a WeightsPushChunk: {e}") from e
+    if m.WhichOneof("part") != "manifest":
+        raise ValueError("a PushWeights call must start with its manifest, got a data chunk first")
+    mf = m.manifest
+    return WeightsManifest(
+        version=mf.version, run_id=mf.run_id, tensors=tuple(tensor_spec_from_pb(t) for t in mf.tensors)
+    )
+
+
+def push_chunk_to_pb(index: int, offset: int, data: bytes | memoryview) -> pb.WeightsPushChunk:
+    return pb.WeightsPushChunk(data=pb.TensorChunk(index=index, offset=offset, data=bytes(data)))
+
+
+def push_chunk_bytes(index: int, offset: int, data: bytes | memoryview) -> bytes:
+    """`push_chunk_to_pb(index, offset, data).SerializeToString()`, built with one copy of `data` (a
+    view of the trainer's tensor) instead of three (bytes(), the message, its serialization): the
+    trainer's CPU time per pushed byte, per replica (bench/weights.py). The PushWeights caller sends it
+    with no request serializer (`PUSH_WEIGHTS_METHOD`)."""
+    n = memoryview(data).nbytes
+    inner = b""
+    if index:  # proto3 leaves zero scalars out, as SerializeToString does
+        inner += b"\x08" + _varint(index)  # TensorChunk.index = 1, varint
+    if offset:
+        inner += b"\x10" + _varint(offset)  # TensorChunk.offset = 2, varint
+    inner += b"\x1a" + _varint(n)  # TensorChunk.data = 3, length-delimited
+    # WeightsPushChunk.data = 2, length-delimited
+    return b"".join((b"\x12", _varint(len(inner) + n), inner, data))
+
+
+_PUSH = pb.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name["PushWeights"]
+PUSH_WEIGHTS_METHOD = f"/{_PUSH.containing_service.full_name}/{_PUSH.name}"
+
+
+def _fields(buf: memoryview):
+    """(field number, wire type, value) of a serialized message: an int for varints, a memoryview slice
+    (no copy) for length-delimited fields; fixed-width fields are skipped."""
+    i = 0
+    while i < len(buf):
+        key, i = _read_varint(buf, i)
+        number, kind = key >> 3, key & 7
+        if kind == 0:
+            value, i = _read_varint(buf, i)
+        elif kind == 2:
+            n, i = _read_varint(buf, i)
+            if i + n > len(buf):
+                raise ValueError(f"a PushWeights message is truncated: field {number} needs {n} bytes")
+            value, i = buf[i : i + n], i + n
+        elif kind in (1, 5):
+            value, i = None, i + (8 if kind == 1 else 4)
+        else:
+            raise ValueError(f"a PushWeights message is malformed (wire type {kind} of field {number})")
+        yield number, kind, value
+    if i != len(buf):
+        raise ValueError("a PushWeights message is truncated (a fixed-width field runs past its end)")
+
+
+def _chunk_from_bytes(raw: bytes) -> tuple[int, int, memoryview]:
+    # WeightsPushChunk {manifest = 1, data = 2}; TensorChunk {index = 1, offset = 2, data = 3}. Later
+    # occurrences of a field win, as in protobuf's own parser (an embedded message merges).
+    index = offset = 0
+    data, part = memoryview(b""), None
+    for number, kind, value in _fields(memoryview(raw)):
+        if number in (1, 2) and kind == 2:
+            part = number
+        if number == 2 and kind == 2:
+            for n, k, v in _fields(value):
+                if k == 0 and n == 1:
+                    index = v
+                elif k == 0 and n == 2:
+                    offset = v
+                elif k == 2 and n == 3:
+                    data = v
+    if part != 2:
+        raise ValueError("a PushWeights call carries one manifest, first; got another one mid-stream")
+    return index, offset, data
+
+
+def push_chunk_from_pb(m: pb.WeightsPushChunk | bytes) -> tuple[int, int, bytes | memoryview]:
+    """(tensor index, byte offset, bytes); ValueError for a second manifest. Given the message's
+    serialized bytes (the replica's PushWeights handler has no request deserializer:
+    server/grpc_api/servicer.py `add_raw_push_handler`), the data is a view into them: protobuf's parse
+    and its field access would copy every pushed byte twice more, over half of a replica's CPU for a
+    push (bench/weights.py)."""
+    if isinstance(m, bytes):
+        return _chunk_from_bytes(m)
+    if m.WhichOneof("part") != "data":
+        raise ValueError("a PushWeights call carries one manifest, first; got another one mid-stream")
+    return m.data.index, m.data.offset, m.data.data
+
+
+def collective_to_pb(c: CollectiveSpec) -> pb.CollectiveSource:
+    return pb.CollectiveSource(
+        group_name=c.group_name,
+        master_address=c.master_address,
+        master_port=c.master_port,
+        rank_offset=c.rank_offset,
+        world_size=c.world_size,
+        init=c.init,
+        tensors=[tensor_spec_to_pb(t) for t in c.tensors],
+        packed=c.packed,
+    )
+
+
+def collective_request(version: int, c: CollectiveSpec, run_id: str = "") -> pb.UpdateWeightsRequest:
+    return pb.UpdateWeightsRequest(version=version, collective=collective_to_pb(c), run_id=run_id)
+
+
+def collective_from_pb(m: pb.UpdateWeightsRequest) -> CollectiveSpec | None:
+    """The request's NCCL source, or None when its source is not `collective`."""
+    if m.WhichOneof("source") != "collective":
+        return None
+    c = m.collective
+    return CollectiveSpec(
+        group_name=c.group_name,
+        master_address=c.master_address,
+        master_port=c.master_port,
+        rank_offset=c.rank_offset,
+        world_size=c.world_size,
+        init=c.init,
+        tensors=tuple(tensor_spec_from_pb(t) for t in c.tensors),
+        packed=c.packed,
+    )

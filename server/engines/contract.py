@@ -1,0 +1,198 @@
+"""The engine contract: what the servicer needs from vLLM or the torch reference engine.
+
+An engine generates one sample per request and streams `EngineOutput`s: new tokens with the logprobs
+of the *processed* distribution it sampled from (temperature, then top-k, then top-p, renormalised),
+exactly K top-K entries per token sorted by rank, and the sampled token's logprob and rank separately.
+Cancelling the consumer of `generate` (CancelledError / aclose) must abort the request in the engine.
+Engines stop only on `stop_token_ids` and max_tokens / the context (the servicer decides which ids stop,
+the model's EOS included, so both engines follow one rule). Ranks follow vLLM: the number of tokens
+whose μ is at least the sampled token's (so 1 for the most likely token; ties rank it lower). Engines
+know nothing of gRPC, Redis or protobuf.
+
+An engine that can serve no more (its decode loop died or is stuck, vLLM's engine core is gone) says why
+in `failure()`, which the replica's health status follows (NOT_SERVING: an orchestrator restarts it),
+and fails its in-flight and new requests with `EngineDead` (UNAVAILABLE: the client retries elsewhere).
+One request that fails inside the engine ends with its own error; the others go on.
+
+Weight updates mid-generation: tokens after the update are sampled by the new weights. vLLM recomputes
+the in-flight requests' KV cache with them (pause with clear_cache); the torch reference engine keeps
+the cache the old weights wrote. Either way the record's μ is exactly what was sampled and its
+version_changes say which tokens came after the update.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from maskroll.proto import sampling
+from maskroll.proto.prompts import prompt_problem
+from maskroll.proto.records import SamplingOptions
+
+
+class EngineDead(Exception):
+    """The engine can serve no more requests (its loop died or is stuck, or its core process is gone):
+    the replica must be restarted. Not a RuntimeError, so no load or request path mistakes it for bad
+    input; the RPC boundary answers UNAVAILABLE."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One sample's validated sampling parameters (the servicer checked them against `EngineLimits`)."""
+
+    max_tokens: int
+    temperature: float = 1.0  # > 0
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 = off
+    logprobs_k: int = 0  # K
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str  # unique per sample
+    prompt_ids: np.ndarray  # int32 [P]
+    params: SamplingParams
+
+
+@dataclass
+class EngineOutput:
+    """Tokens produced since the previous output of the same request, all under one policy version."""
+
+    token_ids: np.ndarray  # int32 [t]
+    sampled_logprobs: np.ndarray  # float32 [t]
+    sampled_ranks: np.ndarray  # int32 [t], 1-based
+    topk_ids: np.ndarray  # int32 [t, K]
+    topk_logprobs: np.ndarray  # float32 [t, K]
+    policy_version: int
+    finish_reason: str | None = None  # "stop" | "length" on the last output
+
+    @classmethod
+    def empty(cls, k: int, policy_version: int, finish_reason: str | None = None) -> EngineOutput:
+        """No tokens: how a stream ends without a new token (abort, or a finish after the last one)."""
+        return cls(
+            token_ids=np.zeros(0, np.int32),
+            sampled_logprobs=np.zeros(0, np.float32),
+            sampled_ranks=np.zeros(0, np.int32),
+            topk_ids=np.zeros((0, k), np.int32),
+            topk_logprobs=np.zeros((0, k), np.float32),
+            policy_version=policy_version,
+            finish_reason=finish_reason,
+        )
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    vocab_size: int
+    max_model_len: int  # prompt + completion tokens
+    max_logprobs: int  # largest K a request may ask for
+    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids; the servicer adds them as stops
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How an engine runs the model, with every default resolved (GetInfo reports them): what a trainer
+    needs to compare its own recompute with, and what an operator sizes a replica by."""
+
+    dtype: str = ""  # "float32" | "bfloat16" | "float16"; "" = not reported
+    seed: int = 0  # seeds the random state of requests that bring no seed of their own
+    max_batch: int = 0  # most sequences in one engine batch
+    tensor_parallel_size: int = 1  # devices the model is split across
+    quantization: str = ""  # "" = none
+    prefix_caching: bool = False  # KV of shared prompt prefixes is reused
+    kv_cache_bytes: int = 0  # fixed KV cache size; 0 = sized by gpu_memory_utilization, or no paged cache
+    gpu_memory_utilization: float = 0.0  # fraction of device memory the engine sizes itself to; 0 = fixed
+    kv_cache_tokens: int = 0  # tokens the KV cache holds over all sequences; 0 = no paged cache
+
+
+def check_request(request: EngineRequest, limits: EngineLimits) -> None:
+    """An engine's own guard (the servicer validated already): a bad request fails with a ValueError
+    naming the field instead of inside the engine, or in a batch it shares with other requests."""
+    p = request.params
+    problem = prompt_problem(
+        np.asarray(request.prompt_ids),
+        vocab_size=limits.vocab_size,
+        max_model_len=limits.max_model_len,
+        name="prompt_ids",
+    )
+    if problem:
+        raise ValueError(problem)
+    # The option rules are the SDK's and the servicer's (client.sampling). The context and the vocabulary
+    # are not limits here: an engine ends a sample at max_model_len ("length"), and a stop id it can
+    # never sample is harmless.
+    options = SamplingOptions(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        logprobs_k=p.logprobs_k,
+        seed=p.seed,
+        stop_token_ids=p.stop_token_ids,
+    )
+    problems = sampling.problems(
+        options,
+        max_logprobs=min(limits.max_logprobs, limits.vocab_size),
+    )
+    if problems:
+        raise ValueError(problems[0])
+
+
+def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """The model's end-of-sequence ids: generation_config.json, else config.json (an int or a list)."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(int(x) for x in (eos if isinstance(eos, list) else [eos]))
+    return ()
+
+
+class Engine(abc.ABC):
+    """A generation backend. One instance per server process; `start` before use, `close` at exit."""
+
+    name: str  # "vllm" | "torch"
+    version: str  # engine library version
+    model_id: str
+
+    @property
+    @abc.abstractmethod
+    def limits(self) -> EngineLimits: ...
+
+    @property
+    @abc.abstractmethod
+    def policy_version(self) -> int: ...
+
+    @property
+    def settings(self) -> EngineSettings:
+        """The settings in effect once started. Not abstract: an engine that reports none (a test
+        fake) shows the defaults, which say "not reported" where a real engine would say more."""
+        return EngineSettings()
+
+    def failure(self) -> str | None:
+        """Why the engine can serve no more (dead or stuck), or None while it can. Polled by the replica's
+        health monitor about once a second, so it must be cheap; an engine may declare itself dead here
+        (a stuck loop), failing what is in flight with EngineDead."""
+        return None
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Stream the sample's tokens; the last output has `finish_reason` set."""
+
+    @abc.abstractmethod
+    async def update_weights(self, version: int, checkpoint_dir: Path) -> int:
+        """Load safetensors weights from `checkpoint_dir` and make `version` current. In-flight requests
+        are paused (not dropped) while loading and resume under the new version. Returns the number of
+        requests that were in flight."""

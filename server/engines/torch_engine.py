@@ -1,0 +1,748 @@
+"""The torch reference engine: a transformers causal LM behind the `Engine` contract, with batched decoding.
+
+Owns one decode thread. At every step it applies pending weight updates and cancellations, admits newly
+arrived requests (each prefilled alone, then merged into the batch's KV cache), and runs ONE forward
+for all active sequences: a left-padded batch whose 2-D attention mask hides the padding and whose
+explicit position ids count only a row's real tokens, so a row's logits do not depend on which other
+rows share its batch (to float rounding). Sampling uses the processed distribution μ of docs/math.md §6 —
+`processed_chunk` (temperature, then top-k, then top-p, as vLLM) and log_softmax — with one
+`torch.Generator` per request, so a seed fixes the tokens whatever the batch. Results cross to the
+asyncio side through `loop.call_soon_threadsafe` into a per-request queue.
+
+Failure isolation: a request whose prefill, sampling or bookkeeping fails ends with that error and the
+others go on (a sampling group that fails is retried row by row to find the culprit; a row whose μ is
+not a distribution — NaN logits — fails alone). A failed batched forward ends the batch's requests and
+the engine serves on. Only an error outside any request (a weight copy that fails halfway, a bug in the
+loop itself) or a forward stuck for `stall_timeout_s` ends the engine: `failure()` then says why, and
+every in-flight and later request fails with EngineDead. Sampling parameters the float32 arithmetic of
+μ cannot represent (a temperature so small that ℓ / T overflows) are refused up front, and checkpoints
+with non-finite tensors are refused before any weight changes.
+
+The model forward never runs on the event loop. This module knows nothing of gRPC, Redis or protobuf.
+Written against the transformers 5 cache API (`DynamicCache.layers[i].keys`); see `_kv`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import inspect
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from maskroll.trainer_adapter.processed import Workspace, processed_chunk
+
+from .contract import (
+    Engine,
+    EngineDead,
+    EngineLimits,
+    EngineOutput,
+    EngineRequest,
+    EngineSettings,
+    SamplingParams,
+    check_request,
+    eos_token_ids,
+)
+
+Tensor = torch.Tensor
+log = logging.getLogger(__name__)
+
+# μ is computed in float32 whatever the model's dtype (`_forward` upcasts the logits): ℓ / T must stay
+# finite for every logit a model produces. Logits beyond ±1e4 do not occur in practice, so a temperature
+# below 1e4 / float32 max (≈ 2.9e-35) is refused; a row that overflows anyway fails alone (SamplingError).
+MAX_LOGIT = 1e4
+MIN_TEMPERATURE = MAX_LOGIT / torch.finfo(torch.float32).max
+# A forward that takes longer than this means the decode loop is stuck (a hung device, a deadlock): the
+# engine declares itself dead so that health turns NOT_SERVING and an orchestrator restarts the replica.
+STALL_TIMEOUT_S = 300.0
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed while the request was in flight."""
+
+
+class SamplingError(RuntimeError):
+    """One request's next-token distribution is not a distribution (NaN or +inf logits)."""
+
+
+@dataclass(eq=False)  # identity semantics: handles live in sets
+class _Handle:
+    """One request's state, shared by the asyncio side (queue) and the decode thread (everything else)."""
+
+    request: EngineRequest
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    generator: torch.Generator
+    cached: int = 0  # this row's real tokens in the KV cache
+    next_token: int = -1  # sampled, not yet in the cache: the next decode step's input
+    generated: int = 0
+    done: bool = False  # counted out of num_active; set under the engine's lock
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+
+@dataclass
+class _Token:
+    """One sampled token as the decode thread hands it over."""
+
+    token: int
+    logprob: float
+    rank: int
+    topk_ids: np.ndarray  # int32 [K]
+    topk_logprobs: np.ndarray  # float32 [K]
+    version: int
+    finish: str | None
+
+
+@dataclass
+class _Update:
+    version: int
+    tensors: dict[str, Tensor]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+def _kv(cache) -> list[tuple[Tensor, Tensor]]:  # per layer ([B, H, S, D], [B, H, S, D])
+    # transformers 5 keeps one DynamicLayer per decoder layer; 4.x had key_cache / value_cache lists.
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _merged(rows: list[_Token]) -> EngineOutput:
+    return EngineOutput(
+        token_ids=np.array([r.token for r in rows], np.int32),
+        sampled_logprobs=np.array([r.logprob for r in rows], np.float32),
+        sampled_ranks=np.array([r.rank for r in rows], np.int32),
+        topk_ids=np.stack([r.topk_ids for r in rows]),  # [t, K], also for K = 0
+        topk_logprobs=np.stack([r.topk_logprobs for r in rows]),
+        policy_version=rows[0].version,
+        finish_reason=rows[-1].finish,
+    )
+
+
+def _nonfinite(t: Tensor) -> int:
+    """How many elements of the floating tensor `t` are NaN or inf. NaN and inf propagate through a
+    sum, so a finite sum proves every element finite in one pass at memory speed (about 50x faster than
+    isfinite on CPU, which dominated a weight update's load time); only a non-finite sum — a bad value,
+    or finite values whose sum overflows — pays for the exact count."""
+    wide = torch.float32 if t.element_size() < 4 else None  # a float16 sum overflows at 65504
+    if bool(torch.isfinite(t.sum(dtype=wide))):
+        return 0
+    return int(t.numel() - torch.isfinite(t).sum())
+
+
+class TorchEngine(Engine):
+    """transformers model + one decode thread that batches every active request into one forward per step.
+
+    `threads` sets torch's intra-op threads for the decode thread (None: torch's default). On a small
+    shared CPU box 1 is much faster than letting OpenMP spin on busy cores (6 ms vs 0.1 ms for a
+    [16, 128] x [128, 512] matmul on the 2-core CI machine).
+    """
+
+    name = "torch"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_logprobs: int = 20,
+        max_batch: int = 64,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        threads: int | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
+    ) -> None:
+        import transformers
+
+        self.version = transformers.__version__
+        self.model_dir = Path(model_dir)
+        self.model_id = str(model_dir)
+        config = transformers.AutoConfig.from_pretrained(self.model_dir).get_text_config()
+        model_len = int(config.max_position_embeddings)
+        if max_model_len is not None and not 2 <= max_model_len <= model_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} must be in [2, {model_len}] (the model's "
+                "max_position_embeddings: the torch engine does not extend a model's context)"
+            )
+        self._limits = EngineLimits(
+            vocab_size=int(config.vocab_size),
+            max_model_len=model_len if max_model_len is None else int(max_model_len),
+            max_logprobs=int(max_logprobs),
+            eos_token_ids=eos_token_ids(self.model_dir),
+        )
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self._max_batch = max_batch
+        self._dtype, self._device, self._threads = dtype, torch.device(device), threads
+        # Draws the seed of every request that brings none, as vLLM's engine seed does: the same requests
+        # in the same order sample the same tokens after a restart. Used on the event loop thread only.
+        self._seed = int(seed)
+        self._seeder = torch.Generator().manual_seed(self._seed)
+        self._model = None
+        self._cache_kw = "cache"
+        self._thread: threading.Thread | None = None
+        self._cv = threading.Condition()
+        # Guarded by _cv: what the asyncio side hands to the decode thread.
+        self._pending: collections.deque[_Handle] = collections.deque()
+        self._cancelled: set[_Handle] = set()
+        self._updates: list[_Update] = []
+        self._stopping = False
+        self._num_active = 0
+        self._dead: str | None = None  # why the engine serves no more; set once, never cleared
+        # Every request not yet released and every update not yet answered, wherever it is (queued, in
+        # the decode thread's hands, in the batch): what a dying engine must fail. Guarded by _cv.
+        self._live: set[_Handle] = set()
+        self._live_updates: list[_Update] = []
+        self._stall_timeout_s = float(stall_timeout_s)
+        # Written by the decode thread, read by failure(): when the running iteration last made progress
+        # (a forward finished); None while the thread waits for work.
+        self._beat: float | None = None
+        # Owned by the decode thread.
+        self._rows: list[_Handle] = []  # batch order = KV cache row order
+        self._cache = None  # DynamicCache over the rows, or None when empty
+        self._mask: Tensor | None = None  # [B, S] long, 0 = left padding
+        self._work = Workspace()
+        self._version = 0
+        self.forward_calls = 0  # prefills + decode steps
+        self.decode_steps = 0  # batched forwards over the active rows
+
+    # ---- contract -------------------------------------------------------------------------------
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self._limits
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def settings(self) -> EngineSettings:
+        return EngineSettings(
+            dtype=str(self._dtype).removeprefix("torch."), seed=self._seed, max_batch=self._max_batch
+        )
+
+    @property
+    def num_active(self) -> int:
+        """Requests the engine holds (waiting for admission or in the batch); 0 once all are freed."""
+        with self._cv:
+            return self._num_active
+
+    def failure(self) -> str | None:
+        if self._dead is not None:
+            return self._dead
+        thread = self._thread
+        if thread is not None and not thread.is_alive() and not self._stopping:
+            self._die("the decode thread exited")
+        beat = self._beat
+        if beat is not None and time.monotonic() - beat > self._stall_timeout_s:
+            self._die(f"the decode loop is stuck: no forward finished for {self._stall_timeout_s:g} s")
+        return self._dead
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._model = await asyncio.to_thread(self._load)
+        self._thread = threading.Thread(target=self._run, name="maskroll-torch-decode", daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            # A stuck thread (a dead engine) may never return: it is a daemon, so do not wait for it.
+            await asyncio.to_thread(self._thread.join, 5.0 if self._dead else None)
+            self._thread = None
+        err = EngineClosed("engine closed")
+        with self._cv:
+            for handle in [*self._pending, *self._rows]:
+                self._finish(handle, err)
+            for update in self._updates:
+                update.future.set_exception(err)
+            self._pending.clear()
+            self._updates.clear()
+            self._rows, self._cache, self._mask = [], None, None
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        self._validate(request)
+        if self._thread is None:
+            raise RuntimeError("engine not started")
+        gen = torch.Generator()
+        if request.params.seed is None:
+            gen.manual_seed(int(torch.randint(0, 1 << 62, (), generator=self._seeder)))
+        else:
+            gen.manual_seed(int(request.params.seed))
+        handle = _Handle(request, asyncio.get_running_loop(), asyncio.Queue(), gen)
+        with self._cv:
+            if self._dead is not None:
+                raise self._dead_error()
+            self._live.add(handle)
+            self._pending.append(handle)
+            self._num_active += 1
+            self._cv.notify_all()
+        finished = False
+        buf: collections.deque = collections.deque()
+        try:
+            while True:
+                if not buf:
+                    buf.append(await handle.queue.get())
+                while not handle.queue.empty():  # coalesce what is ready: fewer, larger outputs
+                    buf.append(handle.queue.get_nowait())
+                if isinstance(buf[0], BaseException):
+                    finished = True
+                    raise buf[0]
+                group = [buf.popleft()]
+                # One output never spans two policy versions.
+                while buf and isinstance(buf[0], _Token) and buf[0].version == group[0].version:
+                    group.append(buf.popleft())
+                finished = group[-1].finish is not None
+                yield _merged(group)
+                if finished:
+                    return
+        finally:
+            if not finished:  # cancelled or closed by the consumer: free the row at the next step
+                self._abort(handle)
+
+    async def update_weights(self, version: int, checkpoint_dir: Path) -> int:
+        if self._thread is None:
+            raise RuntimeError("engine not started")
+        if self._dead is not None:
+            raise self._dead_error()
+        tensors = await asyncio.to_thread(self._read_checkpoint, checkpoint_dir)
+        return await self._submit_update(version, tensors)
+
+    async def update_weights_from_tensors(self, version: int, tensors: dict[str, Tensor], label: str) -> int:
+        """update_weights for tensors already in memory (a push received by server/weights/receive.py),
+        with the same checks; `label` names them in errors. The dict is consumed: its tensors become
+        the checked (and cast) ones, so the update holds one copy of the weights, not two."""
+        if self._thread is None:
+            raise RuntimeError("engine not started")
+        if self._dead is not None:
+            raise self._dead_error()
+        checked = await asyncio.to_thread(self._checked, tensors, label)
+        return await self._submit_update(version, checked)
+
+    async def _submit_update(self, version: int, tensors: dict[str, Tensor]) -> int:
+        update = _Update(int(version), tensors)
+        with self._cv:
+            if self._dead is not None:
+                raise self._dead_error()
+            self._live_updates = [u for u in self._live_updates if not u.future.done()] + [update]
+            self._updates.append(update)
+            self._cv.notify_all()
+        return await asyncio.wrap_future(update.future)
+
+    # ---- asyncio side helpers -------------------------------------------------------------------
+
+    def _validate(self, request: EngineRequest) -> None:
+        """Cheap checks that keep a bad request from failing inside the shared batch (the servicer has
+        already validated; this is the engine's own guard)."""
+        check_request(request, self._limits)
+        t = request.params.temperature
+        if t < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be >= {MIN_TEMPERATURE:.3g} for the torch engine, got {t:g}: it computes "
+                f"the processed logits ℓ / T in float32, where a smaller T overflows for logits up to "
+                f"±{MAX_LOGIT:g}"
+            )
+
+    def _dead_error(self) -> EngineDead:
+        return EngineDead(f"the torch engine is out of service ({self._dead}); restart the replica")
+
+    def _die(self, reason: str) -> None:
+        """The engine serves no more: fail everything queued or running, refuse what comes. Callable from
+        either side (a stuck decode thread is declared dead from the event loop)."""
+        with self._cv:
+            if self._dead is not None:
+                return
+            self._dead = reason
+            self._pending.clear()
+            self._updates.clear()
+            handles, updates = list(self._live), list(self._live_updates)
+            self._cv.notify_all()
+        log.error("torch engine: %s; failing %d requests, refusing new ones", reason, len(handles))
+        err = self._dead_error()
+        for handle in handles:
+            self._finish(handle, err)
+        for update in updates:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                update.future.set_exception(err)
+
+    def _abort(self, handle: _Handle) -> None:
+        with self._cv:
+            if handle in self._pending:
+                self._pending.remove(handle)
+                self._release([handle])
+            elif not handle.done:
+                self._cancelled.add(handle)
+                self._cv.notify_all()
+
+    # ---- model and checkpoint loading -----------------------------------------------------------
+
+    def _load(self):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir)
+        model = model.to(device=self._device, dtype=self._dtype).eval().requires_grad_(False)
+        # from_pretrained maps the safetensors file: on the CPU, parameters the cast left alone are
+        # file pages faulted in lazily, not this process's memory. The first weight update would then
+        # materialise the whole model next to the update's own copy (RSS + 2 models, bench/weights.py),
+        # and the served weights would depend on the file staying unchanged. Owning them from the start
+        # makes the steady state what serving really holds.
+        for t in (*model.parameters(), *model.buffers()):
+            if t.device.type == "cpu":
+                t.data = t.data.clone()
+        # transformers 5 renamed `past_key_values` to `cache` (the old name is deprecated until 5.40).
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        return model
+
+    def _read_checkpoint(self, checkpoint) -> dict[str, Tensor]:
+        """All *.safetensors of the checkpoint (a `weights.Checkpoint`, or a trusted directory), read
+        through the files `weights` checked (no symlink followed, inode unchanged) and checked strictly
+        against the model's state dict, finite values included. Runs off the decode thread and changes
+        nothing, so a bad checkpoint leaves the model as it was."""
+        from ..weights import checkpoints as weights
+
+        checkpoint = weights.checkpoint_of(checkpoint)
+        directory = checkpoint.path
+        tensors: dict[str, Tensor] = {}
+        with weights.open_checked(checkpoint) as opened:
+            for f, fd in opened:
+                # plain reads, no mmap: the update holds one copy of the weights (docs/architecture.md)
+                for key, t in weights.read_safetensors(fd, str(f.real)):
+                    if key in tensors:
+                        raise ValueError(f"{key!r} appears in more than one file of {directory}")
+                    tensors[key] = t
+        return self._checked(tensors, str(directory))
+
+    def _checked(self, tensors: dict[str, Tensor], directory: str) -> dict[str, Tensor]:
+        """`tensors` checked strictly against the model's state dict (names, shapes, floating dtypes,
+        finite values after the cast to the model's dtype) and cast in place; `directory` names them in
+        errors. Changes nothing in the model."""
+        state = self._model.state_dict()
+        unexpected = sorted(set(tensors) - set(state))
+        if unexpected:
+            raise ValueError(
+                f"unexpected key {unexpected[0]!r} in {directory} ({len(unexpected)} unexpected)"
+            )
+        # A tied parameter (lm_head = embeddings) may be stored once under either name.
+        present = {state[k].data_ptr() for k in tensors}
+        missing = sorted(k for k in set(state) - set(tensors) if state[k].data_ptr() not in present)
+        if missing:
+            raise ValueError(f"missing key {missing[0]!r} in {directory} ({len(missing)} missing)")
+        for key, t in tensors.items():
+            if t.shape != state[key].shape:
+                raise ValueError(
+                    f"shape of {key!r}: checkpoint {tuple(t.shape)}, model {tuple(state[key].shape)}"
+                )
+            if not t.is_floating_point():
+                raise ValueError(f"{key!r} has dtype {t.dtype}; expected a floating-point tensor")
+            cast = t.to(device=self._device, dtype=state[key].dtype)
+            # After the cast: a float32 value beyond float16's range becomes inf here. One NaN weight
+            # makes every logit NaN, so the whole checkpoint is refused and the old weights serve on.
+            bad = _nonfinite(cast)
+            if bad:
+                cast_note = f" after the cast to {cast.dtype}" if cast.dtype != t.dtype else ""
+                raise ValueError(
+                    f"{key!r} in {directory} has {bad} non-finite values (NaN or inf{cast_note}); "
+                    "refused, the current weights are kept"
+                )
+            tensors[key] = cast
+        return tensors
+
+    # ---- decode thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            if self._threads:
+                torch.set_num_threads(self._threads)
+            with torch.no_grad():
+                self._loop()
+        except BaseException as exc:  # outside any one request: the engine cannot go on
+            log.critical("torch engine: the decode loop died", exc_info=True)
+            self._die(f"the decode loop died: {type(exc).__name__}: {exc}")
+        finally:
+            self._beat = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._beat = None  # waiting for work is not a stall
+                while not (
+                    self._stopping
+                    or self._dead is not None
+                    or self._updates
+                    or self._cancelled
+                    or self._rows
+                    or (self._pending and len(self._rows) < self._max_batch)
+                ):
+                    self._cv.wait()
+                if self._stopping or self._dead is not None:
+                    return
+                self._beat = time.monotonic()
+                updates, self._updates = self._updates, []
+                cancelled, self._cancelled = self._cancelled, set()
+                room = self._max_batch - len(self._rows) + len(cancelled & set(self._rows))
+                admit = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+            for update in updates:
+                self._apply_update(update)
+            if cancelled:
+                try:
+                    self._drop(cancelled)
+                except Exception as exc:  # the batch's cache is in an unknown state: end its requests
+                    self._fail_batch(exc)
+            for handle in admit:
+                self._admit(handle)
+            if self._rows:
+                try:
+                    self._step()
+                except Exception as exc:  # the thread/asyncio boundary: fail the batch, keep serving
+                    self._fail_batch(exc)
+
+    def _fail_batch(self, exc: Exception) -> None:
+        log.warning("torch engine: a batch of %d requests failed: %r", len(self._rows), exc)
+        for handle in self._rows:
+            self._finish(handle, exc)
+        self._rows, self._cache, self._mask = [], None, None
+
+    def _apply_update(self, update: _Update) -> None:
+        # Between steps: every token sampled after this line sees the new weights and version. The
+        # tensors were checked (names, shapes, dtypes, finite) and cast to the parameters' dtype and
+        # device when read, and each is a tensor of its own: it becomes the parameter's data (no copy
+        # of the model, the old storage is freed). Tied parameters are one Parameter object, so they
+        # stay tied. One that fails anyway leaves the weights half-updated, so the engine must stop.
+        try:
+            params = self._model.state_dict(keep_vars=True)
+            for key, t in update.tensors.items():
+                params[key].data = t
+            # The update stays listed in _live_updates until the next one: without this it would keep a
+            # second copy of the weights alive between updates (the steady state would hold two models).
+            update.tensors.clear()
+        except BaseException as exc:
+            update.future.set_exception(EngineDead(f"the weight update failed halfway: {exc}"))
+            raise
+        self._version = update.version
+        with self._cv:
+            in_flight = self._num_active
+        update.future.set_result(in_flight)
+
+    def _forward(self, **kwargs) -> Tensor:  # [B, V] float32 logits of each row's last position
+        cache = kwargs.pop("cache")
+        out = self._model(**kwargs, **{self._cache_kw: cache}, use_cache=True)
+        self.forward_calls += 1
+        self._beat = time.monotonic()
+        return out.logits[:, -1, :].float()
+
+    def _admit(self, handle: _Handle) -> None:
+        """Prefill alone (no padding, so no fully-masked query rows), sample the first token, then merge
+        the row's KV into the batch cache by left-padding whichever side is shorter."""
+        try:
+            self._admit_one(handle)
+        except Exception as exc:  # only this request fails; the batch state is assigned last
+            log.warning("torch engine: request %s failed at admission: %r", handle.request.request_id, exc)
+            self._finish(handle, exc)
+
+    def _admit_one(self, handle: _Handle) -> None:
+        from transformers import DynamicCache
+
+        prompt = np.asarray(handle.request.prompt_ids, np.int64)
+        ids = torch.as_tensor(prompt, device=self._device)[None]  # [1, P]
+        cache = DynamicCache()
+        logits = self._forward(input_ids=ids, cache=cache)  # [1, V]
+        handle.cached = ids.shape[1]
+        if self._emit([handle], logits):
+            return
+        new_kv, new_len = _kv(cache), ids.shape[1]
+        if self._cache is None:
+            self._cache = cache
+            self._mask = torch.ones(1, new_len, dtype=torch.long, device=self._device)
+            self._rows = [handle]
+            return
+        old_len = self._mask.shape[1]
+        width = max(old_len, new_len)
+        merged = [
+            (
+                torch.cat([F.pad(k0, (0, 0, width - old_len, 0)), F.pad(k1, (0, 0, width - new_len, 0))]),
+                torch.cat([F.pad(v0, (0, 0, width - old_len, 0)), F.pad(v1, (0, 0, width - new_len, 0))]),
+            )
+            for (k0, v0), (k1, v1) in zip(_kv(self._cache), new_kv, strict=True)
+        ]
+        row_mask = torch.ones(1, new_len, dtype=torch.long, device=self._device)
+        self._mask = torch.cat(
+            [F.pad(self._mask, (width - old_len, 0)), F.pad(row_mask, (width - new_len, 0))]
+        )
+        self._cache = DynamicCache(merged)
+        self._rows.append(handle)
+
+    def _step(self) -> None:
+        """One batched decode forward over all rows: input = each row's last sampled token."""
+        rows = self._rows
+        ids = torch.tensor([[h.next_token] for h in rows], device=self._device)  # [B, 1]
+        # [B, 1]: a row's position counts only its real tokens, never the left padding
+        positions = torch.tensor([[h.cached] for h in rows], device=self._device)
+        mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=1)  # [B, S + 1]
+        logits = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self._cache)
+        self._mask = mask
+        self.decode_steps += 1
+        for h in rows:
+            h.cached += 1
+        finished = self._emit(rows, logits)
+        if finished:
+            self._drop(finished)
+
+    def _emit(self, rows: list[_Handle], logits: Tensor) -> set[_Handle]:
+        """Sample each row from μ = log_softmax(processed(logits)), deliver the token, and return the rows
+        that finished (or failed). Rows are grouped by (top_k, top_p) because processed_chunk takes them
+        as scalars; every operation is per row, so grouping does not change a row's numbers. A group that
+        fails is sampled again row by row: only the row that fails alone ends with the error."""
+        groups: dict[tuple[int, float], list[int]] = {}
+        for i, h in enumerate(rows):
+            groups.setdefault((h.params.top_k, h.params.top_p), []).append(i)
+        finished: set[_Handle] = set()
+        for (top_k, top_p), idx in groups.items():
+            try:
+                finished |= self._sample(rows, idx, logits, top_k, top_p)
+                continue
+            except Exception as exc:
+                if len(idx) == 1:
+                    self._fail_row(rows[idx[0]], exc, finished)
+                    continue
+            for i in idx:
+                try:
+                    finished |= self._sample(rows, [i], logits, top_k, top_p)
+                except Exception as exc:
+                    self._fail_row(rows[i], exc, finished)
+        return finished
+
+    def _fail_row(self, handle: _Handle, exc: Exception, finished: set[_Handle]) -> None:
+        log.warning("torch engine: request %s failed while sampling: %r", handle.request.request_id, exc)
+        self._finish(handle, exc)
+        finished.add(handle)
+
+    def _sample(
+        self, rows: list[_Handle], idx: list[int], logits: Tensor, top_k: int, top_p: float
+    ) -> set[_Handle]:
+        """Sample rows `idx` (one (top_k, top_p) group) and deliver their tokens; returns the rows that
+        finished or failed. Nothing of a row's state changes before every tensor operation succeeded, so
+        a group that raises can be sampled again row by row (those rows then draw again from their
+        generators: after a failure a seeded row's tokens may differ from a run without it)."""
+        sub = logits[idx]  # [c, V]
+        temp = torch.tensor([rows[i].params.temperature for i in idx], dtype=torch.float64)  # [c]
+        x = processed_chunk(sub, temp.to(sub.device), top_k, top_p, self._work)  # [c, V], reused buffer
+        mu = x.log_softmax(dim=-1)  # [c, V]
+        # A valid row's largest log μ is finite (≥ -log V); NaN or +inf logits make it NaN (amax
+        # propagates NaN). Such a row fails alone instead of multinomial failing the whole group.
+        ok = torch.isfinite(mu.amax(dim=-1)).tolist()  # [c]
+        finished: set[_Handle] = set()
+        for j, i in enumerate(idx):
+            if not ok[j]:
+                h = rows[i]
+                self._fail_row(
+                    h,
+                    SamplingError(
+                        f"request {h.request.request_id}: the next-token distribution is not finite at "
+                        f"completion token {h.generated} (NaN or inf logits: broken weights or "
+                        f"activations, or temperature {h.params.temperature:g} overflowing float32)"
+                    ),
+                    finished,
+                )
+        good = [j for j in range(len(idx)) if ok[j]]
+        if not good:
+            return finished
+        if len(good) < len(idx):
+            idx, mu = [idx[j] for j in good], mu[good]
+        probs = mu.exp()
+        tokens = torch.cat(
+            [torch.multinomial(probs[j], 1, generator=rows[i].generator) for j, i in enumerate(idx)]
+        )  # [c]
+        sampled = mu.gather(1, tokens[:, None])  # [c, 1]
+        ranks = (mu >= sampled).sum(dim=1)  # [c], vLLM's convention: ties rank the sampled token lower
+        kmax = max(rows[i].params.logprobs_k for i in idx)
+        top = mu.topk(kmax, dim=-1, sorted=True)  # [c, kmax]
+        top_ids = top.indices.to(torch.int32).cpu().numpy()
+        top_lp = top.values.cpu().numpy()
+        tokens_l, sampled_l, ranks_l = tokens.tolist(), sampled[:, 0].tolist(), ranks.tolist()
+        # Delivery: plain Python, after every tensor operation succeeded.
+        for j, i in enumerate(idx):
+            h = rows[i]
+            k = h.params.logprobs_k
+            h.generated += 1
+            h.next_token = tokens_l[j]
+            finish = None
+            if tokens_l[j] in h.params.stop_token_ids:
+                finish = "stop"
+            elif h.generated >= h.params.max_tokens or h.cached + 1 >= self._limits.max_model_len:
+                finish = "length"  # cached + 1 = prompt + completion tokens so far
+            tok = _Token(
+                tokens_l[j],
+                sampled_l[j],
+                ranks_l[j],
+                top_ids[j, :k].copy(),
+                top_lp[j, :k].copy(),
+                self._version,
+                finish,
+            )
+            if finish is not None:
+                finished.add(h)
+                self._finish(h, tok)
+            else:
+                self._deliver(h, tok)
+        return finished
+
+    def _finish(self, handle: _Handle, last: _Token | BaseException) -> None:
+        self._release([handle])  # before delivering: once the consumer sees the end, num_active is down
+        self._deliver(handle, last)
+
+    def _release(self, handles: list[_Handle]) -> None:
+        """Count requests out of num_active exactly once (finish, cancel or failure)."""
+        with self._cv:
+            for h in handles:
+                if not h.done:
+                    h.done = True
+                    self._num_active -= 1
+                    self._live.discard(h)
+
+    def _drop(self, handles: set[_Handle]) -> None:
+        """Remove rows from the batch and trim left-padding columns no remaining row needs."""
+        from transformers import DynamicCache
+
+        gone = [h for h in self._rows if h in handles]
+        if not gone:
+            return
+        keep = [i for i, h in enumerate(self._rows) if h not in handles]
+        self._rows = [self._rows[i] for i in keep]
+        self._release(gone)
+        if not keep:
+            self._cache, self._mask = None, None
+            return
+        index = torch.tensor(keep, device=self._device)
+        mask = self._mask.index_select(0, index)  # [B', S]
+        lead = int((mask.cumsum(dim=1) == 0).sum(dim=1).min())  # padding columns common to every row
+        self._mask = mask[:, lead:]
+        self._cache = DynamicCache(
+            [
+                (k.index_select(0, index)[:, :, lead:], v.index_select(0, index)[:, :, lead:])
+                for k, v in _kv(self._cache)
+            ]
+        )
+
+    @staticmethod
+    def _deliver(handle: _Handle, item: _Token | BaseException) -> None:
+        # RuntimeError: the consumer's event loop is closed, so nobody is left to read it.
+        with contextlib.suppress(RuntimeError):
+            handle.loop.call_soon_threadsafe(handle.queue.put_nowait, item)

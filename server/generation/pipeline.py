@@ -1,0 +1,258 @@
+"""One generation request, transport-agnostic: validate → fan out to the engine → chunks and records.
+
+Every front end runs a request through here, so they share one set of rules: validation against the
+replica's limits, the record header (identity, prompt, sampling semantics), one `SampleBuilder` per
+sample and the fan-out loop (a sample whose stream ends without a finish reason, or that is still
+running when the request is aborted, ends with an "abort" record), and how streamed tokens are gathered
+into chunks (`Coalescing`: a sample's held tokens wait at most `chunk_interval_ms`; its first tokens and
+its last chunk go at once). `records()` builds no chunk at all. Callers add only their transport:
+
+- `servicer.Generate` (gRPC): converts protobuf in and out, refuses a duplicate request id in flight
+  (ALREADY_EXISTS), tracks requests for drain, counts metrics, publishes to `rollout_stream`.
+- `jobs.JobRunner` (pull mode): maps InvalidArgument to JobRejected, gives every run of a job its own
+  engine ids (a reclaimed job may run twice at once here), returns the records.
+- `openai_serving` (HTTP / OpenAI) the same way: a pre-tokenized prompt and per-request metadata go to
+  `prepare`, chunks stream as they come, `header.semantics` says how to read the logprobs, and a client
+  that disconnects closes the stream (or calls `abort()` to end it with "abort" records instead).
+
+    pipeline = Pipeline(engine, config)                   # once per process
+    gen = pipeline.prepare(prompt_ids, options, request_id="", metadata={...})
+                                                          # InvalidArgument here, before any engine call
+    async with contextlib.aclosing(gen.stream()) as chunks:
+        async for chunk in chunks:                        # RolloutChunk, in order over the n samples
+            ...                                           # chunk.record is set on each sample's last chunk
+    # or: records = await gen.records()                   # the n records, by sample index
+    gen.abort()                                           # from anywhere (drain): see Generation.abort
+
+Leaving the stream early — closing it, an error, or the caller's task being cancelled — cancels every
+engine request and waits until the engine has freed them (`fanout.FanOut`); close it explicitly
+(`aclosing`) rather than leave that to garbage collection. Errors propagate unchanged: InvalidArgument
+(a field is invalid, or the engine refused the parameters before the first token) and anything else
+the engine raised; mapping them to a status or a rejection is the caller's. Knows nothing of gRPC,
+protobuf, Redis or metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from maskroll.proto.records import RolloutChunk, RolloutRecord, SamplingOptions
+
+from ..config import ServerConfig
+from ..engines.contract import Engine, EngineOutput, SamplingParams
+from . import validation
+from .fanout import FanOut
+from .records_builder import RecordHeader, SampleBuilder, semantics_for
+
+
+class Coalescing(NamedTuple):
+    """When a streamed sample's held tokens go out (ServerConfig.chunk_interval_ms / chunk_max_tokens)."""
+
+    interval_s: float  # a held token waits at most this long; 0 = every engine output its own chunk
+    max_tokens: int  # a chunk goes as soon as it holds this many tokens
+    message_bytes: int = 16 << 20  # the largest message the transport sends
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> Coalescing:
+        return cls(config.chunk_interval_ms / 1e3, config.chunk_max_tokens, config.max_message_bytes)
+
+    def tokens_per_chunk(self, k: int) -> int:
+        """max_tokens, or fewer where K is so large that a chunk's arrays (12 + 8·K bytes a token) would
+        pass half the largest message (the other half: the record on the last chunk, the framing)."""
+        return max(1, min(self.max_tokens, self.message_bytes // 2 // (12 + 8 * k)))
+
+
+class _StreamedSample:
+    """One sample of a stream: holds its engine outputs and emits them as chunks under the latency bound.
+
+    Runs in the engine stream's task (and a timer), so that an output which is only held costs a check
+    and an append, and the consumer wakes once per chunk. A chunk goes at once for the sample's first
+    tokens, its last output (with the record), before tokens of a new policy version, and when it holds
+    `max_tokens`; otherwise `interval_s` after its first held token."""
+
+    def __init__(self, builder: SampleBuilder, fan: FanOut, rule: Coalescing, max_tokens: int) -> None:
+        self.builder, self._fan, self._rule, self._max_tokens = builder, fan, rule, max_tokens
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, out: EngineOutput) -> None:
+        b = self.builder
+        if b.changes_version(out):
+            self._send(b.take_chunk())
+        b.hold(out)
+        if out.finish_reason is not None:
+            self._send(b.finish(out.finish_reason, out.policy_version, time.time()))
+        elif b.held_tokens and (
+            b.sent_tokens == 0 or b.held_tokens >= self._max_tokens or not self._rule.interval_s
+        ):
+            self._send(b.take_chunk())
+        elif b.held_tokens and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._rule.interval_s, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        if self.builder.held_tokens and not self.builder.finished:
+            try:
+                chunk = self.builder.take_chunk()
+            except Exception as exc:  # a timer has no caller: the consumer raises it, as a pump's error
+                self._fan.emit(self.builder.sample_index, exc)
+                return
+            self._send(chunk)
+
+    def _send(self, chunk: RolloutChunk) -> None:
+        self.cancel_timer()
+        self._fan.emit(self.builder.sample_index, chunk)
+
+    def cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class Generation:
+    """One validated request, run once: `stream()` or `records()`; `abort()` may come at any time."""
+
+    def __init__(
+        self, engine: Engine, header: RecordHeader, params: SamplingParams, engine_id: str, rule: Coalescing
+    ) -> None:
+        self.header = header  # identity, prompt and semantics: what every record of this request carries
+        self.params = params  # the engine's parameters for sample 0 (sample i is seeded seed + i)
+        self._engine = engine
+        self._rule = rule
+        # Built now (no engine call yet) so that an abort() before the stream starts is not lost.
+        self._fan = FanOut(engine, validation.engine_requests(engine_id, header.prompt_ids, params, self.n))
+        self._started = False
+
+    @property
+    def request_id(self) -> str:
+        return self.header.request_id
+
+    @property
+    def n(self) -> int:
+        return self.header.group_size
+
+    def abort(self) -> None:
+        """End the request now (the server is draining): the stream stops reading, cancels the engine
+        requests, then ends every unfinished sample with a last chunk (the tokens it still held) whose
+        record has finish_reason "abort". Before the stream starts it ends at once; after it ended, this
+        does nothing."""
+        self._fan.abort()
+
+    async def stream(self) -> AsyncIterator[RolloutChunk]:
+        """Every chunk of the n samples in order; each sample's last chunk carries its record. A chunk
+        holds one or more engine outputs' tokens, all of one policy version (`Coalescing`)."""
+        self._start()
+        most = self._rule.tokens_per_chunk(self.header.semantics.logprobs_k)
+        samples = [
+            _StreamedSample(SampleBuilder(self.header, i), self._fan, self._rule, most) for i in range(self.n)
+        ]
+        self._fan.on_output = lambda i, out: samples[i].add(out)
+        try:
+            async with self._fan as fan:
+                async for i, chunk in fan.items():
+                    if chunk is not None:
+                        yield chunk
+                    elif not samples[i].builder.finished:
+                        # The engine ended the stream without a finish reason.
+                        samples[i].cancel_timer()
+                        yield self._abort(samples[i].builder)
+            # Left only after abort(): the engine requests are cancelled by now. What the samples emitted
+            # meanwhile still goes out, then each unfinished sample gets its last chunk, so every sample
+            # of a request ends with a record.
+            for _, chunk in self._fan.leftover():
+                yield chunk
+            for sample in samples:
+                sample.cancel_timer()
+                if not sample.builder.finished:
+                    yield self._abort(sample.builder)
+        finally:
+            for sample in samples:
+                sample.cancel_timer()
+
+    async def records(self) -> list[RolloutRecord]:
+        """Run to the end and return the n records by sample index (for callers that do not stream: no
+        chunk is built)."""
+        self._start()
+        builders = [SampleBuilder(self.header, i) for i in range(self.n)]
+
+        def add(i: int, out: EngineOutput) -> None:
+            builders[i].hold(out)
+            if out.finish_reason is not None:
+                self._fan.emit(i, builders[i].record(out.finish_reason, out.policy_version, time.time()))
+
+        self._fan.on_output = add
+        records: dict[int, RolloutRecord] = {}
+        async with self._fan as fan:
+            async for i, record in fan.items():
+                if record is not None:
+                    records[i] = record
+        records.update(self._fan.leftover())
+        for b in builders:  # the engine ended the stream without a finish reason, or abort()
+            if not b.finished:
+                records[b.sample_index] = b.record("abort", self._engine.policy_version, time.time())
+        return [records[i] for i in range(self.n)]
+
+    def _start(self) -> None:
+        if self._started:
+            raise RuntimeError(f"request {self.request_id!r} has already been run")
+        self._started = True
+
+    def _abort(self, builder: SampleBuilder) -> RolloutChunk:
+        return builder.abort(current_version=self._engine.policy_version, now=time.time())
+
+
+class Pipeline:
+    """The replica's request rules: its limits (`caps`), engine and replica id. One per process."""
+
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.replica_id = config.replica_id
+        self.coalescing = Coalescing.of(config)  # how streamed tokens are gathered into chunks
+        self.caps = validation.Caps.of(
+            engine.limits, max_logprobs=config.max_logprobs, max_tokens=config.max_tokens, max_n=config.max_n
+        )
+
+    def prepare(
+        self,
+        prompt_ids: np.ndarray,
+        options: SamplingOptions,
+        *,
+        request_id: str = "",
+        job_id: str = "",
+        group_id: str = "",
+        metadata: Mapping[str, str] | None = None,
+        engine_id: str = "",
+        run_id: str = "",
+    ) -> Generation:
+        """Validate a request and return it ready to run; raises InvalidArgument naming the field.
+
+        prompt_ids: token ids [P] (any integer dtype; records carry int32). request_id: "" for a fresh
+        one. job_id gives the rollout ids (a retried job yields the same ones); group_id "" is no group.
+        engine_id: sample i runs as engine request f"{engine_id}-{i}", by default the request id; a
+        caller that may run the same request twice at once must pass a unique one. run_id: the training
+        run every record carries (a pull-mode job's; trainers refuse records of another run)."""
+        # An id given as both request and job id (a pull-mode job) is named once, as job_id.
+        validation.check_ids("" if request_id == job_id else request_id, job_id, group_id)
+        validation.check_metadata(metadata or {})
+        prompt = np.asarray(prompt_ids)
+        validation.check_prompt(prompt, self.caps)
+        prompt = prompt.astype(np.int32, copy=False)  # in [0, vocab_size) by now, so the cast is exact
+        params = validation.sampling_params(prompt, options, self.caps)
+        request_id = request_id or validation.new_request_id()
+        e = self.engine
+        header = RecordHeader(
+            request_id=request_id,
+            job_id=job_id,
+            group_id=group_id,
+            metadata=dict(metadata or {}),
+            prompt_ids=prompt,
+            semantics=semantics_for(params, engine=e.name, engine_version=e.version, model=e.model_id),
+            replica_id=self.replica_id,
+            group_size=options.n,
+            run_id=run_id,
+        )
+        return Generation(e, header, params, engine_id or request_id, self.coalescing)

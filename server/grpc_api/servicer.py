@@ -1,0 +1,320 @@
+"""RolloutServicer: the gRPC methods, each validate → convert → call → yield (STYLE.md §6).
+
+A request's generation (validation, record header, engine fan-out, chunks and records) is `pipeline`'s,
+shared with pull-mode jobs; checkpoint rules are `weights`', protobuf conversion `maskroll.proto.wire`'s
+and the mapping of exceptions to status codes `errors.rpc_boundary`'s. What is left here is gRPC's part:
+conversion, duplicate ids in flight, publishing to a rollout_stream, metrics, and the bookkeeping a
+drain needs (which requests are in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from maskroll.proto import wire
+from maskroll.proto._generated import rollout_pb2 as pb
+from maskroll.proto._generated import rollout_pb2_grpc as pb_grpc
+from maskroll.proto.records import LOGPROBS_MODE, ServerInfo, WeightsUpdate, WeightsUpdateResult
+from maskroll.proto.streams import StreamKeys
+
+from ..config import ServerConfig
+from ..engines.contract import Engine
+from ..generation import validation
+from ..generation.pipeline import Pipeline
+from ..metrics import Metrics
+from ..pull.publisher import RolloutPublisher
+from ..running import Running
+from ..weights import checkpoints as weights
+from ..weights import receive as weight_stream
+from ..weights import sources as weight_sources
+from .errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    ServiceError,
+    Unavailable,
+    rpc_boundary,
+)
+
+log = logging.getLogger("maskroll.weights")
+
+
+def maskroll_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("maskroll")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class RolloutServicer(pb_grpc.RolloutServiceServicer):
+    def __init__(
+        self,
+        engine: Engine,
+        config: ServerConfig,
+        metrics: Metrics,
+        publisher: RolloutPublisher | None = None,
+    ) -> None:
+        self._engine = engine
+        self._publisher = publisher
+        self._config = config
+        self._metrics = metrics
+        self._pipeline = Pipeline(engine, config)
+        # a Generate may publish to its rollout streams only (the layout app.py detected: partitions, cluster)
+        self._keys = (publisher and publisher.keys) or StreamKeys(config.namespace)
+        self._caps = self._pipeline.caps
+        self._running = Running()  # for drain, and to refuse a request id already in flight
+        self._weights_lock = asyncio.Lock()  # one UpdateWeights at a time: versions must increase
+        self._updates: set[asyncio.Task] = set()  # running updates (a task needs a strong reference)
+        # The training run of the weights served ("" = the starting weights, or a client without runs):
+        # the version rule is per run (docs/records.md, "Runs"), and Generate's records carry it.
+        self._run_id = ""
+        metrics.policy_version.set(engine.policy_version)
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        self._metrics.rpc_done(method, code, seconds)
+
+    # ---- Generate -------------------------------------------------------------------------------
+
+    @rpc_boundary("Generate")
+    async def Generate(self, request: pb.GenerateRequest, context):
+        if self._running.draining:
+            raise Unavailable("the server is draining; send the request to another replica")
+        if failure := self._engine.failure():
+            raise Unavailable(
+                f"this replica's engine is out of service ({failure}); send the request to another "
+                "replica (this one needs a restart)"
+            )
+        gen = self._pipeline.prepare(
+            wire.prompt_from_pb(request),
+            wire.options_from_pb(request.options),
+            request_id=request.request_id,
+            job_id=request.job_id,
+            group_id=request.group_id,
+            metadata=request.metadata,
+            run_id=self._run_id,
+        )
+        stream = None
+        if request.rollout_stream:
+            if self._publisher is None:
+                raise FailedPrecondition("rollout_stream needs a server started with redis_url")
+            stream = validation.rollout_stream(request.rollout_stream, self._keys)
+        if gen.request_id in self._running:
+            raise AlreadyExists(f"request_id {gen.request_id!r} is already in flight on this replica")
+        finished = []  # records, published to `stream` once the request is complete
+        arrays = request.include_record_arrays
+        tracker = self._metrics.generate_started(gen.params.logprobs_k)
+        self._running.add(gen)
+        try:
+            async with contextlib.aclosing(gen.stream()) as chunks:
+                async for chunk in chunks:
+                    tracker.tokens(len(chunk.token_ids))
+                    if chunk.record is not None:
+                        finished.append(chunk.record)
+                    yield wire.chunk_to_pb(chunk, record_arrays=arrays)
+            # A group with aborted samples would never be whole on the queue: it is not published.
+            if stream and all(r.finish_reason != "abort" for r in finished):
+                await self._publisher.publish(finished, stream)
+        finally:
+            self._running.discard(gen)
+            tracker.done()
+
+    # ---- UpdateWeights --------------------------------------------------------------------------
+
+    @rpc_boundary("UpdateWeights")
+    async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context) -> pb.UpdateWeightsResponse:
+        update = wire.update_from_pb(request)
+        try:
+            if self._running.draining:
+                raise Unavailable("the server is draining")
+            if update.collective:
+                source = weight_sources.CollectiveSource(wire.collective_from_pb(request))
+                if source.spec.init:  # the rendezvous: join the trainer's group, no version change
+                    await weight_sources.join_collective(self._engine, source)
+                    joined = WeightsUpdateResult(self._engine.policy_version, 0.0, paused_requests=0)
+                    return wire.update_result_to_pb(joined)
+            elif update.checkpoint_dir is None:
+                raise InvalidArgument("source is not set; give checkpoint.path")
+            else:
+                path = weights.resolve_checkpoint(update.checkpoint_dir, self._config.weights_root)
+                source = weight_sources.DirectorySource(path)
+        except ServiceError as exc:
+            _log_refused(update, exc)
+            raise
+        return wire.update_result_to_pb(await self._run_update(update, source))
+
+    @rpc_boundary("PushWeights")
+    async def PushWeights(self, request_iterator, context) -> pb.UpdateWeightsResponse:
+        """UpdateWeights with the tensors in the call (server/weights/receive.py): the version rule is
+        checked on the manifest, before any byte is received, and again when the load begins."""
+        try:
+            first = await anext(request_iterator)
+        except StopAsyncIteration:
+            raise InvalidArgument("PushWeights ended before its manifest") from None
+        try:
+            manifest = wire.manifest_from_pb(first)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from e
+        update = WeightsUpdate(version=manifest.version, checkpoint_dir="(push)", run_id=manifest.run_id)
+        try:
+            if self._running.draining:
+                raise Unavailable("the server is draining")
+            self._check_version(update)
+            # When the client goes away (a deadline, a dropped connection) the request iterator may
+            # wait on: end the receiving task then, so the partial file goes at once.
+            receiving = asyncio.current_task()
+            context.add_done_callback(lambda _: receiving is not None and receiving.cancel())
+            try:
+                source = await weight_sources.receive(self._engine, manifest, request_iterator)
+            finally:
+                receiving = None
+        except ServiceError as exc:
+            _log_refused(update, exc)
+            await weight_stream.drain(request_iterator, manifest.total_bytes)
+            raise
+        return wire.update_result_to_pb(await self._run_update(update, source))
+
+    @property
+    def weights_served(self) -> tuple[str, int]:
+        """(run id, policy version) of the weights this replica serves ("" = its starting weights)."""
+        return self._run_id, self._engine.policy_version
+
+    async def load_source(
+        self, update: WeightsUpdate, source: weight_sources.WeightSource
+    ) -> WeightsUpdateResult:
+        """An update decided inside the replica (joining the run at start-up, server/app.py): the
+        rules of the RPCs, without one."""
+        self._check_version(update)
+        return await self._run_update(update, source)
+
+    async def _run_update(
+        self, update: WeightsUpdate, source: weight_sources.WeightSource
+    ) -> WeightsUpdateResult:
+        # Once begun, an update runs to its end even if the caller goes away (deadline, disconnect): a
+        # load cancelled halfway would leave the weights and the version to chance. The caller's own
+        # cancellation still propagates through the shield.
+        task = asyncio.ensure_future(self._update_weights(update, source))
+        self._updates.add(task)
+        task.add_done_callback(self._update_done)
+        return await asyncio.shield(task)
+
+    def _update_done(self, task: asyncio.Task) -> None:
+        self._updates.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: an orphaned update's error already went to its (gone) caller
+
+    def _check_version(self, update: WeightsUpdate) -> None:
+        """The version rule, per run: within the run the replica serves, versions increase; a version of
+        another run is a reload (any version >= 0: a new run starts again from 0 or 1). An update without
+        a run id (a client older than runs) must be greater than the current version."""
+        version, current, run = update.version, self._engine.policy_version, self._run_id
+        if version < 0:
+            raise InvalidArgument(f"version {version} is negative")
+        if (not update.run_id or update.run_id == run) and version <= current:
+            of_run = f" of run {run}" if run else ""
+            raise FailedPrecondition(
+                f"version {version} must be greater than the current policy version {current}{of_run}"
+            )
+
+    async def _update_weights(
+        self, update: WeightsUpdate, source: weight_sources.WeightSource
+    ) -> WeightsUpdateResult:
+        version = update.version
+        try:
+            async with self._weights_lock:
+                current, run = self._engine.policy_version, self._run_id
+                self._check_version(update)  # again: another update may have won the lock meanwhile
+                paused, seconds = await weight_sources.load(self._engine, version, source)
+                self._run_id = update.run_id
+        except ServiceError as exc:
+            _log_refused(update, exc, source)
+            raise
+        finally:
+            weight_sources.release(source)  # the spool file of a push: loaded or refused, it goes
+        log.info(
+            "weights: loaded version %d of run %s (was %d of run %s) from %s in %.2f s, %d requests paused",
+            version,
+            update.run_id or "-",
+            current,
+            run or "-",
+            source.describe(),
+            seconds,
+            paused,
+        )
+        self._metrics.weight_update.observe(seconds)
+        self._metrics.policy_version.set(self._engine.policy_version)
+        return WeightsUpdateResult(
+            version=self._engine.policy_version, load_seconds=seconds, paused_requests=paused
+        )
+
+    # ---- GetInfo --------------------------------------------------------------------------------
+
+    @rpc_boundary("GetInfo")
+    async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.ServerInfo:
+        return wire.info_to_pb(self.info())
+
+    def info(self) -> ServerInfo:
+        e, c = self._engine, self._caps
+        return ServerInfo(
+            model=e.model_id,
+            engine=e.name,
+            engine_version=e.version,
+            maskroll_version=maskroll_version(),
+            policy_version=e.policy_version,
+            max_logprobs_k=c.max_logprobs,
+            max_model_len=c.max_model_len,
+            vocab_size=c.vocab_size,
+            max_tokens=min(c.max_tokens, c.max_model_len - 1),
+            max_n=c.max_n,
+            logprobs_mode=LOGPROBS_MODE,
+            replica_id=self._config.replica_id,
+            max_message_bytes=self._config.max_message_bytes,
+            run_id=self._run_id,
+            **vars(e.settings),  # EngineSettings and ServerInfo name the engine's settings alike
+        )
+
+    # ---- drain ----------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    def begin_drain(self) -> None:
+        """Refuse new work (UNAVAILABLE, so clients retry elsewhere); in-flight requests go on."""
+        self._running.begin_drain()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Whether every in-flight Generate finished within `timeout` seconds."""
+        return await self._running.wait_idle(timeout)
+
+    def abort_all(self) -> None:
+        """End every in-flight Generate now: each unfinished sample gets a record with finish_reason abort."""
+        self._running.abort_all()
+
+
+def add_raw_push_handler(servicer: RolloutServicer, server) -> None:
+    """Serve PushWeights with no request deserializer (after `add_RolloutServiceServicer_to_server`,
+    which it overrides for that one method): the servicer gets each message's bytes and
+    `wire.push_chunk_from_pb` takes the tensor bytes as a view into them, where protobuf's parse and
+    field access would copy every pushed byte twice more (bench/weights.py)."""
+    import grpc
+
+    handler = grpc.stream_unary_rpc_method_handler(
+        servicer.PushWeights, response_serializer=pb.UpdateWeightsResponse.SerializeToString
+    )
+    service = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
+    server.add_registered_method_handlers(service, {"PushWeights": handler})
+
+
+def _log_refused(update: WeightsUpdate, exc: ServiceError, source=None) -> None:
+    log.warning(
+        "weights: refused version %d of run %s from %s: %s %s",
+        update.version,
+        update.run_id or "-",
+        source.describe() if source is not None else update.checkpoint_dir,
+        exc.code,
+        exc,
+    )

@@ -1,0 +1,154 @@
+"""The HTTP front end's server: uvicorn on the replica's own event loop, beside the gRPC server.
+
+`HttpFrontEnd.start()` loads the model's tokenizer and chat template, binds the port (0 = a free one)
+and serves `http_app.build_app` with uvicorn in the running loop, so both front ends share one engine,
+one pipeline's rules, the auth token, the TLS certificate and the limits. `drain()` is the HTTP half of
+the replica's graceful stop: new calls get 503 and /readyz turns 503 at once; running calls finish for
+up to the drain timeout, then are aborted (finish_reason "abort"); then the listener closes.
+Agent sessions live in this process's memory: those still open at the end are lost (logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+
+import uvicorn
+
+from ..config import ServerConfig
+from ..engines.contract import Engine
+from ..grpc_api.servicer import RolloutServicer
+from ..metrics import Metrics
+from ..pull.publisher import RolloutPublisher
+from .chat import ChatFormat
+from .openai_serving import OpenAIServing
+from .routes import build_app
+
+log = logging.getLogger(__name__)
+
+ABORT_GRACE_S = 5.0  # after aborting, streams still send their last events
+# The OpenAI responses are built in Python on the event loop (JSON per token, K entries each), holding the
+# GIL; the torch engine's decode thread needs the GIL between its torch calls and CPython hands it over
+# only every switch interval (5 ms by default), so each decode step could wait that long behind the loop.
+# Back-to-back runs (docs/benchmarks.md, "HTTP / OpenAI front end"): HTTP tokens/s went from 0.74-0.75 of
+# gRPC's to 0.75-0.84 with 0.5 ms, more when the events cost more Python; gRPC's did not move.
+SWITCH_INTERVAL_S = 0.0005
+CLOSE_GRACE_S = 2.0  # uvicorn waits this long for open connections before closing them
+
+
+class _Server(uvicorn.Server):
+    # The replica's serve() owns SIGTERM / SIGINT (one drain for both front ends); uvicorn's own
+    # handlers would replace them and re-raise the signal when it stops.
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpFrontEnd:
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine: Engine,
+        servicer: RolloutServicer,
+        metrics: Metrics,
+        publisher: RolloutPublisher | None,
+        chat: ChatFormat,
+    ) -> None:
+        self.config, self.servicer, self.metrics = config, servicer, metrics
+        # The run of the weights served is the servicer's (UpdateWeights sets it, over gRPC or HTTP).
+        self.serving = OpenAIServing(engine, config, chat, metrics, publisher, lambda: servicer.info().run_id)
+        self.app = build_app(self)
+        self.port: int | None = None
+        self._server: _Server | None = None
+        self._task: asyncio.Task | None = None
+        self._drained = False
+
+    @classmethod
+    async def create(
+        cls,
+        config: ServerConfig,
+        engine: Engine,
+        servicer: RolloutServicer,
+        metrics: Metrics,
+        publisher: RolloutPublisher | None,
+    ) -> HttpFrontEnd:
+        # transformers' import and the tokenizer load take seconds: off the event loop.
+        chat = await asyncio.to_thread(ChatFormat, config.model)
+        return cls(config, engine, servicer, metrics, publisher, chat)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.config.tls_cert else "http"
+
+    async def start(self) -> int:
+        """Bind and serve; returns the bound port. OSError when the port cannot be bound."""
+        sock = _bind(self.config.host, self.config.http_port or 0)
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        c = self.config
+        uv = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            ssl_certfile=str(c.tls_cert) if c.tls_cert else None,
+            ssl_keyfile=str(c.tls_key) if c.tls_key else None,
+            timeout_graceful_shutdown=int(CLOSE_GRACE_S),
+        )
+        self._server = _Server(uv)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http-server")
+        while not self._server.started:
+            if self._task.done():  # failed during start-up (a bad certificate, say)
+                await self._task
+                raise OSError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
+        self.port = sock.getsockname()[1]
+        return self.port
+
+    # ---- drain: the same interface as the gRPC servicer ------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return self.serving.in_flight
+
+    def begin_drain(self) -> None:
+        self.serving.begin_drain()
+
+    def abort_all(self) -> None:
+        self.serving.abort_all()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new calls, let running ones finish for `timeout_s`, abort the rest, close. Idempotent."""
+        if self._drained:
+            return
+        self._drained = True
+        self.begin_drain()
+        if not await self.serving.wait_idle(timeout_s):
+            log.warning("drain: %d HTTP calls running after %.1f s; aborting", self.in_flight, timeout_s)
+            self.abort_all()
+            if not await self.serving.wait_idle(ABORT_GRACE_S):
+                log.warning("drain: %d HTTP calls did not end after the abort", self.in_flight)
+        if len(self.serving.sessions):
+            log.warning("drain: %d agent sessions were not finished; dropped", len(self.serving.sessions))
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart over TIME_WAIT connections
+        sock.bind((host, port))
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -1,0 +1,376 @@
+"""Pull mode: a replica consumes prompt jobs from the Redis prompt stream (docs/architecture.md flow 2).
+
+All replicas read through one consumer group. A job is acked only after its records are published.
+Jobs left pending by a dead replica are reclaimed by survivors once idle for `claim_idle_s`
+(XAUTOCLAIM); a live replica keeps its running jobs' idle time low by re-claiming them (XCLAIM JUSTID),
+so slow generations are not stolen. Replicas register with a heartbeat key (TTL) so trainers can find
+them for weight updates. Knows nothing of engines: `run_job` turns a job into records.
+
+With several partitions (`--partitions`), every partition's prompt stream is read, one stream per call
+(in a Redis Cluster a multi-stream XREADGROUP must stay in one slot), starting with each in turn, and a
+job's records go to the rollout stream of its own partition.
+
+Hostile or broken input never stops the puller: a job naming a rollout stream outside the namespace's
+is rejected (`validation.rollout_stream`); a job that keeps failing for a reason that is not transient
+(a WRONGTYPE key, say), or whose replica keeps dying, is dead-lettered once Redis has delivered it
+`max_deliveries` times (the pending entry list counts them), and the trainer is told with a `job_error`
+so its admission slot is released. A consumer group that vanished (Redis flushed, or replaced by one
+without the AOF) is recreated. `supervise()` restarts `run()` with backoff after any other error, and
+`failure()` says why the replica cannot pull right now (its health turns NOT_SERVING meanwhile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from maskroll.proto import wire
+from maskroll.proto.heartbeat import encode_heartbeat
+from maskroll.proto.records import PromptJob, RolloutRecord
+from maskroll.proto.redis_conn import REDIS_DOWN, redact, transaction
+from maskroll.proto.streams import (
+    F_JOB,
+    REPLICA_GROUP,
+    PartitionKeys,
+    StreamKeys,
+    ack_and_delete,
+    check_layout,
+    dead_letter,
+    ensure_group,
+)
+
+from ..engines.contract import EngineDead
+from ..generation import validation
+from ..grpc_api.errors import InvalidArgument
+from ..metrics import Metrics
+from .publisher import PublishTimeout, RolloutPublisher
+
+log = logging.getLogger("maskroll.puller")
+
+# Failures another attempt may not repeat: leave the job pending, never count them against it.
+TRANSIENT = (*REDIS_DOWN, PublishTimeout, EngineDead)
+# A Redis call of the loop (a 0.5 s blocking read) that has not returned after this long means the
+# prompt stream is unreachable: the client is still inside its retry budget, but health should know now.
+UNREACHABLE_AFTER_S = 5.0
+RESTART_BACKOFF_S = (1.0, 30.0)  # first and largest wait before run() is restarted after an error
+# With several partitions and nothing on any of them, one is waited on (each in turn) this long: a job
+# arriving on another waits no longer than this to be taken.
+SWEEP_BLOCK_MS = 100
+
+
+class JobRejected(ValueError):
+    """The job itself is invalid (bad prompt or options): retrying elsewhere cannot help."""
+
+
+RunJob = Callable[[PromptJob], Awaitable[list[RolloutRecord]]]
+
+
+class PromptPuller:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: StreamKeys,
+        consumer: str,
+        run_job: RunJob,
+        publisher: RolloutPublisher,
+        *,
+        concurrency: int = 8,
+        claim_idle_s: float = 60.0,
+        heartbeat_ttl_s: float = 15.0,
+        replica_info: Callable[[], dict] | None = None,
+        metrics: Metrics | None = None,
+        max_deliveries: int = 10,
+    ) -> None:
+        self.metrics = metrics or publisher.metrics
+        self.redis, self.keys, self.consumer = redis, keys, consumer
+        self.run_job, self.publisher = run_job, publisher
+        self.concurrency = concurrency
+        self.claim_idle_ms = int(claim_idle_s * 1000)
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.replica_info = replica_info or (lambda: {})
+        self.max_deliveries = max_deliveries
+        self._active: dict[tuple[int, bytes], asyncio.Task] = {}  # (partition, entry id) -> its task
+        self._turn = 0  # the partition the next read starts with
+        # for messages: the prompt stream, or "<first> … <last>" of several partitions
+        parts = keys.parts
+        self._streams = parts[0].prompts if len(parts) == 1 else f"{parts[0].prompts} … {parts[-1].prompts}"
+        self._stopping = asyncio.Event()
+        self._problem: str | None = None  # why the last attempt to take jobs failed; None once one works
+        self._call_since: float | None = None  # when the Redis call now in progress started
+
+    def failure(self) -> str | None:
+        """Why this replica cannot take jobs right now (Redis unreachable, the loop restarting after an
+        error), or None. Cheap: the health monitor polls it."""
+        since = self._call_since
+        if since is not None and (waited := time.monotonic() - since) > UNREACHABLE_AFTER_S:
+            return f"the prompt stream {self._streams} has not answered for {waited:.0f} s"
+        return self._problem
+
+    async def supervise(self) -> None:
+        """run() until stop(), restarted with exponential backoff after any error; every exit is logged."""
+        first, cap = RESTART_BACKOFF_S
+        wait = first
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            try:
+                await self.run()
+            except asyncio.CancelledError:
+                log.info("prompt puller cancelled")
+                raise
+            except Exception as exc:
+                self._problem = redact(f"the prompt puller failed: {type(exc).__name__}: {exc}")
+                if time.monotonic() - started > 10 * cap:  # it had been running fine: start over fast
+                    wait = first
+                log.error("prompt puller exited with an error; restarting in %.0f s", wait, exc_info=True)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), wait)
+                wait = min(wait * 2, cap)
+                continue
+            log.info("prompt puller stopped")
+            return
+
+    async def run(self) -> None:
+        """Until stop(): read or reclaim jobs while below `concurrency`, keep heartbeats fresh."""
+        await self._redis(check_layout(self.redis, self.keys))
+        await self._ensure_groups()
+        beat = asyncio.create_task(self._heartbeat())
+        next_claim = 0.0
+        try:
+            while not self._stopping.is_set():
+                free = self.concurrency - len(self._active)
+                if free <= 0:
+                    await asyncio.sleep(0.05)
+                    continue
+                try:
+                    next_claim = await self._take_jobs(free, next_claim)
+                    if self._problem:
+                        log.info("prompt stream %s readable again", self._streams)
+                    self._problem = None
+                except REDIS_DOWN as e:
+                    # The client already retried with backoff; keep trying: the replica recovers
+                    # when Redis returns, and running jobs go on meanwhile.
+                    self._problem = redact(f"the prompt stream {self._streams} is unreachable: {e}")
+                    log.warning("%s; retrying", self._problem)
+                    await asyncio.sleep(1.0)
+                except ResponseError as e:
+                    if "NOGROUP" not in str(e):
+                        raise
+                    # Redis lost the group (FLUSHALL, or a new Redis without the AOF): the jobs it held
+                    # are gone with it; recreate it and read what comes next.
+                    log.warning(
+                        "consumer group %r on %s is gone (Redis flushed or replaced?); recreating it",
+                        REPLICA_GROUP,
+                        self._streams,
+                    )
+                    await self._ensure_groups()
+        finally:
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+
+    async def _ensure_groups(self) -> None:
+        for part in self.keys.parts:
+            await self._redis(ensure_group(self.redis, part.prompts, REPLICA_GROUP))
+
+    async def _redis(self, aw):
+        """Await one Redis call of the loop, timed for failure()."""
+        self._call_since = time.monotonic()
+        try:
+            return await aw
+        finally:
+            self._call_since = None
+
+    def _rotation(self) -> list[PartitionKeys]:
+        """The partitions, starting with the next one in turn (so that none is always read last)."""
+        parts = self.keys.parts
+        self._turn = (self._turn + 1) % len(parts)
+        return [*parts[self._turn :], *parts[: self._turn]]
+
+    async def _take_jobs(self, free: int, next_claim: float) -> float:
+        """Reclaim idle jobs (at most every claim_idle/4) or read new ones, at most `free` in all; start
+        a task per job."""
+        parts = self._rotation()
+        taken = 0
+        if time.monotonic() >= next_claim:
+            next_claim = time.monotonic() + max(0.5, self.claim_idle_ms / 4000)
+            for part in parts:
+                if taken < free:
+                    taken += await self._reclaim(part, free - taken)
+        if taken:
+            return next_claim
+        if len(parts) > 1:  # a sweep that does not wait
+            for part in parts:
+                if taken < free:
+                    taken += await self._read_new(part, free - taken, None)
+        if not taken:
+            await self._read_new(parts[0], free, 500 if len(parts) == 1 else SWEEP_BLOCK_MS)
+        return next_claim
+
+    async def _reclaim(self, part: PartitionKeys, count: int) -> int:
+        """Take over jobs of `part` idle past claim_idle_s (a dead replica's); returns how many started."""
+        _, claimed, *_ = await self._redis(
+            self.redis.xautoclaim(
+                part.prompts, REPLICA_GROUP, self.consumer, self.claim_idle_ms, "0-0", count=count
+            )
+        )
+        entries = [e for e in claimed if e is not None and (part.index, e[0]) not in self._active]
+        self.metrics.jobs_reclaimed.inc(len(entries))
+        for entry_id, fields in entries:  # reclaimed: delivered before, maybe many times (a poison job)
+            self._start(part, entry_id, fields, await self._deliveries(part, entry_id))
+        return len(entries)
+
+    async def _read_new(self, part: PartitionKeys, count: int, block_ms: int | None) -> int:
+        """Read jobs of `part` never delivered before and start them; returns how many started."""
+        resp = await self._redis(
+            self.redis.xreadgroup(
+                REPLICA_GROUP, self.consumer, {part.prompts: ">"}, count=count, block=block_ms
+            )
+        )
+        started = 0
+        for entry_id, fields in resp[0][1] if resp else []:
+            if (part.index, entry_id) not in self._active:
+                self._start(part, entry_id, fields, 1)
+                started += 1
+        return started
+
+    def _start(self, part: PartitionKeys, entry_id: bytes, fields: dict, deliveries: int) -> None:
+        task = asyncio.create_task(self._handle(part, entry_id, fields, deliveries))
+        self._active[(part.index, entry_id)] = task
+        self.metrics.jobs_active.set(len(self._active))
+
+    async def _deliveries(self, part: PartitionKeys, entry_id: bytes) -> int:
+        """How often Redis has delivered this entry (XREADGROUP and XAUTOCLAIM count, XCLAIM JUSTID not)."""
+        pending = await self._redis(
+            self.redis.xpending_range(part.prompts, REPLICA_GROUP, entry_id, entry_id, 1)
+        )
+        return int(pending[0]["times_delivered"]) if pending else 1
+
+    def stop(self) -> None:
+        """Stop taking jobs; running ones finish (see drain)."""
+        self._stopping.set()
+
+    async def drain(self, timeout: float) -> int:
+        """Wait up to `timeout` for running jobs; cancel the rest (they stay pending and are reclaimed).
+        Returns the number cancelled."""
+        tasks = list(self._active.values())
+        if not tasks:
+            return 0
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        return len(pending)
+
+    async def _handle(self, part: PartitionKeys, entry_id: bytes, fields: dict, deliveries: int = 1) -> None:
+        job = None
+        try:
+            try:
+                job = wire.decode_job(fields.get(F_JOB, b""))
+            except wire.WireError as e:
+                await self._dead_letter(part, entry_id, fields, str(e))
+                self.metrics.jobs.labels("malformed").inc()
+                return
+            if deliveries > self.max_deliveries:  # it never finished: each run failed or killed its replica
+                await self._give_up(
+                    part, entry_id, fields, job, f"delivered {deliveries} times and never finished"
+                )
+                return
+            stream = None
+            try:
+                # A job's records go to its own partition's rollout stream unless it names one.
+                stream = (
+                    validation.rollout_stream(job.rollout_stream, self.keys)
+                    if job.rollout_stream
+                    else part.rollouts
+                )
+                records = await self.run_job(job)
+            except (JobRejected, InvalidArgument) as e:
+                # A job error goes where the records would have gone, unless that is what is wrong.
+                await self.publisher.publish_job_error(job, str(e), stream or part.rollouts)
+                await self._ack(part, entry_id)
+                self.metrics.jobs.labels("rejected").inc()
+                return
+            await self.publisher.publish(records, stream)
+            await self._ack(part, entry_id)  # only after the records are safely in Redis
+            self.metrics.jobs.labels("ok").inc()
+        except asyncio.CancelledError:
+            raise  # drain: the job stays pending and another replica (or we) reclaim it
+        except TRANSIENT as e:
+            # Redis down, a full stream, a dead engine: leave the job pending for redelivery
+            log.warning("job %s failed: %s; left pending for redelivery", entry_id, redact(repr(e)))
+            self.metrics.jobs.labels("error").inc()
+        except Exception as e:
+            self.metrics.jobs.labels("error").inc()
+            if job is None or deliveries < self.max_deliveries:
+                log.exception(
+                    "job %s failed (delivery %d of at most %d); left pending for redelivery",
+                    entry_id,
+                    deliveries,
+                    self.max_deliveries,
+                )
+            else:
+                await self._give_up_quietly(
+                    part, entry_id, fields, job, f"{type(e).__name__}: {e}", deliveries
+                )
+        finally:
+            self._active.pop((part.index, entry_id), None)
+            self.metrics.jobs_active.set(len(self._active))
+
+    async def _give_up_quietly(
+        self, part: PartitionKeys, entry_id: bytes, fields: dict, job: PromptJob, error: str, deliveries: int
+    ) -> None:
+        try:
+            await self._give_up(part, entry_id, fields, job, f"failed on delivery {deliveries}: {error}")
+        except Exception:  # Redis trouble: the job stays pending, the next delivery gives up again
+            log.exception("job %s: dead-lettering failed; left pending", entry_id)
+
+    async def _give_up(
+        self, part: PartitionKeys, entry_id: bytes, fields: dict, job: PromptJob, why: str
+    ) -> None:
+        """Dead-letter a job that cannot succeed, telling the trainer (its admission slot is released).
+        The job error goes to its partition's rollout stream, which the SDK reads."""
+        reason = redact(f"job {job.job_id} dead-lettered: {why}")
+        try:
+            await self.publisher.publish_job_error(job, reason, part.rollouts)
+        except REDIS_DOWN:
+            raise  # try again on the next delivery
+        except Exception:  # the stream itself is broken (WRONGTYPE): the dead letter still records it
+            log.exception("job %s: the job error could not be published", job.job_id)
+        await self._dead_letter(part, entry_id, fields, reason)
+        self.metrics.jobs.labels("dead_lettered").inc()
+
+    async def _ack(self, part: PartitionKeys, entry_id: bytes) -> None:
+        pipe = transaction(self.redis)
+        ack_and_delete(pipe, part.prompts, REPLICA_GROUP, entry_id)
+        await pipe.execute()
+
+    async def _dead_letter(self, part: PartitionKeys, entry_id: bytes, fields: dict, reason: str) -> None:
+        await dead_letter(self.redis, part, part.prompts, REPLICA_GROUP, entry_id, fields, reason)
+
+    async def _heartbeat(self) -> None:
+        """Refresh the registry key and keep running jobs' idle time below the reclaim threshold."""
+        period = max(0.2, min(self.heartbeat_ttl_s / 3, self.claim_idle_ms / 3000))
+        while True:
+            try:
+                beat = encode_heartbeat(self.consumer, **self.replica_info(), active_jobs=len(self._active))
+                await self.redis.set(
+                    self.keys.replica(self.consumer), beat, px=int(self.heartbeat_ttl_s * 1000)
+                )
+                for p in sorted({p for p, _ in self._active}):
+                    running = [entry_id for q, entry_id in self._active if q == p]
+                    await self.redis.xclaim(
+                        self.keys.part(p).prompts, REPLICA_GROUP, self.consumer, 0, running, justid=True
+                    )
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # Redis hiccup: the next beat retries; the TTL tolerates a few misses
+                log.warning("heartbeat failed", exc_info=True)
+            await asyncio.sleep(period)
+
+    async def unregister(self) -> None:
+        await self.redis.delete(self.keys.replica(self.consumer))

@@ -1,0 +1,131 @@
+"""Join the training run at its current version: what a replica does at start-up, before it takes jobs.
+
+The trainer records the run's latest version and how to fetch it in Redis (`maskroll:<ns>:run`, next
+to the replica registry; docs/records.md "Runs"). A replica that starts or restarts mid-run reads it and,
+before its puller takes a job, serves that version, so its first records are not from version 0 (which
+the trainer would refuse as stale anyway, wasting the samples):
+
+- `checkpoint` is a directory (the directory transport): load it from the replica's --weights-root,
+  with every check UpdateWeights makes.
+- `checkpoint` is "stream" (the streamed transport: only the trainer holds the weights): the replica
+  registers its heartbeat and waits for the trainer's publisher to push the current version
+  (weight_sync/stream.py: its follower pushes to every live replica not serving it), up to
+  `MASKROLL_JOIN_TIMEOUT_S` seconds (default 300).
+- `checkpoint` is "collective" (NCCL through vLLM's weight-transfer engine): the trainer's group was
+  formed before this replica existed and cannot take it in, so nothing can bring it the version now;
+  it says so and starts on its own weights.
+
+If neither works (no weights root, a refused checkpoint, no push in time) the replica starts on its
+own weights and says so in its log; the trainer's next publish brings it up to date.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+
+from maskroll.proto.records import WeightsUpdate
+from maskroll.proto.run_record import RunInfo, read_run
+from maskroll.proto.streams import StreamKeys
+
+from ..grpc_api.errors import ServiceError
+from . import checkpoints as weights
+from . import sources as weight_sources
+
+log = logging.getLogger("maskroll.weights")
+
+# weight_sync.stream.STREAM_RECORD and weight_sync.collective.COLLECTIVE_RECORD (the server does not
+# import weight_sync)
+STREAM_RECORD = "stream"
+COLLECTIVE_RECORD = "collective"
+JOIN_TIMEOUT_ENV = "MASKROLL_JOIN_TIMEOUT_S"
+POLL_S = 0.2
+
+
+def join_timeout() -> float:
+    return float(os.environ.get(JOIN_TIMEOUT_ENV) or 300.0)
+
+
+def _current(servicer, run: RunInfo) -> bool:
+    run_id, version = servicer.weights_served
+    return run_id == run.run_id and version >= run.version
+
+
+async def join_current_version(replica) -> None:
+    """Bring `replica` (an app.Replica, its puller not started yet) to its run's current version."""
+    if replica.redis is None:
+        return
+    keys = replica.keys or StreamKeys(replica.config.namespace)  # the layout app.py detected
+    run = await read_run(replica.redis, keys)
+    if run is None or not run.checkpoint or _current(replica.servicer, run):
+        return  # no run, or nothing published: the replica's --model is what the run starts from
+    if run.checkpoint == STREAM_RECORD:
+        await _wait_for_push(replica, keys, run)
+    elif run.checkpoint == COLLECTIVE_RECORD:
+        log.warning(
+            "weights: run %s is at version %d, broadcast over NCCL to a group this replica is not in; it "
+            "starts on version 0 until its trainer forms a new group with it or pushes the weights",
+            run.run_id,
+            run.version,
+        )
+    else:
+        await _load_directory(replica, run)
+
+
+async def _load_directory(replica, run: RunInfo) -> None:
+    where = f"version {run.version} of run {run.run_id} from {run.checkpoint}"
+    try:
+        path = weights.resolve_checkpoint(run.checkpoint, replica.config.weights_root)
+        update = WeightsUpdate(version=run.version, checkpoint_dir=run.checkpoint, run_id=run.run_id)
+        result = await replica.servicer.load_source(update, weight_sources.DirectorySource(path))
+    except ServiceError as e:
+        log.warning("weights: could not join at %s (%s: %s); starting on version 0", where, e.code, e)
+        return
+    log.info("weights: joined at %s in %.2f s", where, result.load_seconds)
+
+
+async def _wait_for_push(replica, keys: StreamKeys, run: RunInfo) -> None:
+    if replica.puller is None:
+        log.warning(
+            "weights: run %s is at version %d, pushed by its trainer to registered replicas; this replica "
+            "does not pull jobs, so it is not registered: it starts on version 0",
+            run.run_id,
+            run.version,
+        )
+        return
+    timeout = join_timeout()
+    log.info(
+        "weights: run %s is at version %d (streamed); registered, waiting up to %.0f s for its push",
+        run.run_id,
+        run.version,
+        timeout,
+    )
+    # The puller's heartbeat alone (no job is taken): the trainer's publisher finds replicas by it.
+    beat = asyncio.create_task(replica.puller._heartbeat(), name="join-heartbeat")
+    t0 = time.monotonic()
+    try:
+        while not _current(replica.servicer, run):
+            if time.monotonic() - t0 > timeout:
+                log.warning(
+                    "weights: no push of version %d of run %s within %.0f s; starting on version %d",
+                    run.version,
+                    run.run_id,
+                    timeout,
+                    replica.servicer.weights_served[1],
+                )
+                return
+            await asyncio.sleep(POLL_S)
+            run = await read_run(replica.redis, keys) or run  # a newer version, or a new run, meanwhile
+        log.info(
+            "weights: joined run %s at version %d after %.1f s",
+            run.run_id,
+            run.version,
+            time.monotonic() - t0,
+        )
+    finally:
+        beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beat

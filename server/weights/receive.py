@@ -1,0 +1,289 @@
+"""The replica's end of PushWeights: a pushed state dict received, checked chunk by chunk, into memory or
+into a private safetensors file.
+
+The manifest (first message) gives every tensor's name, dtype, shape, size and CRC-32, so the place of
+every byte is known before the first one arrives. Every chunk must continue its tensor exactly where the
+previous one ended (manifest order, offset order); a checksum mismatch, a missing or extra byte, or a
+call that ends early refuses the whole push, so nothing partial is ever loaded. Two destinations:
+
+- `receive_tensors`: straight into one tensor per manifest entry (an engine that loads tensors from
+  memory: the torch engine). Each chunk is copied once, into its tensor; nothing touches a disk and
+  nothing is read back, so the update holds one copy of the weights plus the chunk in flight.
+- `receive`: into a safetensors file whose header is written before any data, in a directory private
+  to this replica (the spool: `MASKROLL_WEIGHTS_SPOOL` or the system temp directory), for an engine that
+  loads files (vLLM: its workers run in another process and read the file by path). Receiving holds one
+  chunk in memory; the file is deleted on any error.
+
+Either way the engine then applies the checks of a checkpoint (names, shapes, dtypes, finite values;
+`weight_sources.StreamedSource`). Knows nothing of gRPC beyond the converter's message types, nor of
+engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import json
+import os
+import shutil
+import struct
+import tempfile
+import zlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import numpy as np
+
+from maskroll.proto import wire
+from maskroll.proto.tensor_push import WeightsManifest
+
+from ..grpc_api.errors import FailedPrecondition, InvalidArgument
+
+FILE_NAME = "model.safetensors"
+SPOOL_ENV = "MASKROLL_WEIGHTS_SPOOL"
+DISK_MARGIN = 64 << 20  # bytes the spool's filesystem keeps free after a push is written
+MEMORY_MARGIN = 256 << 20  # bytes left free after a push is received into memory (checks, the cast)
+
+
+def spool_root() -> Path:
+    return Path(os.environ.get(SPOOL_ENV) or tempfile.gettempdir())
+
+
+def safetensors_header(manifest: WeightsManifest) -> bytes:
+    """The safetensors prefix (u64 little-endian header length + JSON header, padded to 8 bytes) of a
+    file holding the manifest's tensors back to back in manifest order."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in manifest.tensors:
+        header[t.name] = {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _crc_error(t, got: int) -> InvalidArgument:
+    return InvalidArgument(
+        f"tensor {t.name!r}: CRC-32 of the received bytes is {got:#010x}, the manifest says "
+        f"{t.crc32:#010x} (corrupted in transit?); the push is refused, the current weights are kept"
+    )
+
+
+class _Writer:
+    """Checks each chunk's place, then hands it to `put(index, offset, data)`. The CRC-32 of each tensor
+    is checked as its chunks arrive, or, with `closed`, left to the caller: `closed(index)` is called
+    when tensor `index` is complete (the memory path checksums whole tensors in a worker thread)."""
+
+    def __init__(
+        self,
+        manifest: WeightsManifest,
+        put: Callable[[int, int, bytes], object],
+        closed: Callable[[int], object] | None = None,
+    ) -> None:
+        self.m, self.put, self.closed = manifest, put, closed
+        self.index, self.offset, self.crc = 0, 0, 0
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        # a tensor with no elements has no chunk; its checksum is that of no bytes
+        while self.index < len(self.m.tensors) and self.m.tensors[self.index].nbytes == 0:
+            self._close_tensor()
+
+    def _close_tensor(self) -> None:
+        t = self.m.tensors[self.index]
+        if self.closed is not None:
+            self.closed(self.index)
+        elif self.crc != t.crc32:
+            raise _crc_error(t, self.crc)
+        self.index, self.offset, self.crc = self.index + 1, 0, 0
+
+    def write(self, index: int, offset: int, data: bytes) -> None:
+        if self.index >= len(self.m.tensors):
+            raise InvalidArgument(f"a chunk for tensor {index} arrived after the last tensor was complete")
+        t = self.m.tensors[self.index]
+        if index != self.index or offset != self.offset:
+            raise InvalidArgument(
+                f"chunk out of order: expected tensor {self.index} ({t.name!r}) at byte {self.offset}, "
+                f"got tensor {index} at byte {offset}"
+            )
+        if not data or self.offset + len(data) > t.nbytes:
+            raise InvalidArgument(
+                f"tensor {t.name!r}: a chunk of {len(data)} bytes at byte {offset} does not fit its "
+                f"{t.nbytes} bytes"
+            )
+        self.put(index, offset, data)
+        if self.closed is None:
+            self.crc = zlib.crc32(data, self.crc)
+        self.offset += len(data)
+        if self.offset == t.nbytes:
+            self._close_tensor()
+            self._skip_empty()
+
+    def finish(self) -> None:
+        if self.index < len(self.m.tensors):
+            t = self.m.tensors[self.index]
+            raise InvalidArgument(
+                f"the push ended early: tensor {self.index} of {len(self.m.tensors)} ({t.name!r}) has "
+                f"{self.offset} of {t.nbytes} bytes; nothing was loaded"
+            )
+
+    async def consume(self, rest: AsyncIterator) -> None:
+        async for message in rest:
+            try:
+                index, offset, data = wire.push_chunk_from_pb(message)
+            except ValueError as e:
+                raise InvalidArgument(str(e)) from e
+            # A 4 MiB copy (or write to the page cache) takes about a millisecond: not worth a thread hop.
+            self.write(index, offset, data)
+        self.finish()
+
+
+def check_manifest(manifest: WeightsManifest, spool: Path) -> None:
+    try:
+        manifest.check()
+    except ValueError as e:
+        raise InvalidArgument(f"PushWeights manifest: {e}") from e
+    free = shutil.disk_usage(spool).free
+    if manifest.total_bytes + DISK_MARGIN > free:
+        raise FailedPrecondition(
+            f"the pushed weights ({manifest.total_bytes} bytes) do not fit in the spool {str(spool)!r} "
+            f"({free} bytes free); give the replica more local disk or set {SPOOL_ENV}"
+        )
+
+
+async def receive(manifest: WeightsManifest, rest: AsyncIterator, spool: Path | None = None) -> Path:
+    """Write the pushed tensors (the data messages `rest` that follow `manifest`) into a new directory
+    under the spool; returns that directory, holding one `model.safetensors`. The caller deletes it
+    (`discard`). On any error — including cancellation, a dropped connection — the directory is gone."""
+    spool = spool or spool_root()
+    spool.mkdir(parents=True, exist_ok=True)
+    check_manifest(manifest, spool)
+    directory = Path(tempfile.mkdtemp(prefix=f"push-v{manifest.version}-", dir=spool))
+    try:
+        with open(directory / FILE_NAME, "wb") as f:
+            f.write(safetensors_header(manifest))
+            # the writer checked the order: the bytes of the file are the chunks back to back
+            await _Writer(manifest, lambda _i, _o, data: f.write(data)).consume(rest)
+    except BaseException:
+        # Not in a thread: the call may be cancelled right now (the client went away), and an awaited
+        # clean-up would be cancelled with it. Unlinking one file takes milliseconds.
+        discard(directory)
+        raise
+    return directory
+
+
+def memory_available() -> int | None:
+    """Bytes this process may still allocate: MemAvailable, or less where a cgroup v2 limit is nearer
+    (a container's memory limit); None where neither can be read."""
+    found = []
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    with contextlib.suppress(OSError, ValueError):
+        cgroup = Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            # the cgroup's usage counts the page cache; its inactive part is reclaimed before an OOM kill
+            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+            used = int((cgroup / "memory.current").read_text()) - int(stat.get("inactive_file", 0))
+            found.append(int(limit) - used)
+    return min(found) if found else None
+
+
+async def receive_tensors(manifest: WeightsManifest, rest: AsyncIterator) -> dict:
+    """The pushed tensors (the data messages `rest` that follow `manifest`) as {name: CPU tensor of the
+    manifest's dtype and shape}, each chunk copied once into its place. Nothing is kept on an error."""
+    import torch
+
+    from .checkpoints import torch_dtype
+
+    try:
+        manifest.check()
+    except ValueError as e:
+        raise InvalidArgument(f"PushWeights manifest: {e}") from e
+    free = memory_available()
+    if free is not None and manifest.total_bytes + MEMORY_MARGIN > free:
+        raise FailedPrecondition(
+            f"the pushed weights ({manifest.total_bytes} bytes) do not fit in this replica's free memory "
+            f"({free} bytes); give it more memory"
+        )
+    tensors = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for t in manifest.tensors}
+    # uint8 views of the tensors' memory (numpy has no bfloat16), written in place: torch.empty leaves
+    # the pages untouched until a chunk lands there, so memory grows with what was received
+    raw = [t.reshape(-1).view(torch.uint8).numpy() for t in tensors.values()]
+
+    def put(index: int, offset: int, data: bytes) -> None:
+        raw[index][offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+
+    # Each complete tensor is checksummed in one worker thread (zlib releases the GIL) while the event
+    # loop copies in the next chunks: the CRC, about a sixth of the receiving CPU, leaves the critical
+    # path on a machine with a core to spare, and costs the same where it has none.
+    loop = asyncio.get_running_loop()
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="maskroll-push-crc")
+    sums: list[tuple[int, asyncio.Future]] = []
+
+    def closed(index: int) -> None:
+        sums.append((index, loop.run_in_executor(pool, zlib.crc32, raw[index])))
+
+    try:
+        await _Writer(manifest, put, closed).consume(rest)
+        for i, pending in sums:
+            got = await pending
+            if got != manifest.tensors[i].crc32:
+                raise _crc_error(manifest.tensors[i], got)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return tensors
+
+
+async def drain(rest: AsyncIterator, max_bytes: int, timeout_s: float = 60.0) -> None:
+    """Read and drop what a refused push still sends, up to `max_bytes` (its manifest's size) plus the
+    messages' framing, or `timeout_s`. A client-streaming call that the server ends while the client is
+    still writing can fail on the client with "INTERNAL: Internal error from Core" instead of the
+    server's status (a write racing the status: grpc/aio/_call.py `_write`; about 1 refusal in 100 on
+    loopback), and the reason of the refusal is lost. Best effort: whatever ends the reading ends it."""
+
+    async def read() -> None:
+        seen = 0
+        async for message in rest:
+            seen += len(message) if isinstance(message, bytes) else message.ByteSize()
+            if seen > max_bytes + (16 << 20):  # room for 16 bytes of framing per 1 KiB message
+                return
+
+    with contextlib.suppress(Exception):  # a reset or expired call, the time limit: nothing more to read
+        await asyncio.wait_for(read(), timeout_s)
+
+
+def discard(directory: Path) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def trim_heap() -> None:
+    """Give the heap memory a weight update freed back to the system (glibc's malloc_trim; elsewhere
+    nothing). glibc raises its mmap threshold to the size of the largest block freed (up to 32 MiB), so
+    after one update most weight tensors and every chunk-sized buffer of a push (gRPC's, the message's,
+    its bytes) come from its arenas, which keep freed memory: without this the replaced weights stayed
+    resident after a directory update (RSS + one model until the next update) and a push left tens of
+    MB behind (bench/weights.py)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc (musl, macOS): nothing to trim
+        return None
