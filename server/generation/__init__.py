@@ -1,2 +1,4 @@
-"""The one generation pipeline every front end shares: a request validated against the replica's
-limits, fanned out into n engine requests, merged into chunks and finished records."""
+"""The one request path every front end shares: validate, fan out to the engine, chunks and records.
+
+`validation.py` (against the replica's limits), `pipeline.py` (a request run once), `fanout.py` (n engine
+requests), `records_builder.py` (engine outputs → chunks and finished records)."""

@@ -11,13 +11,15 @@ its last chunk go at once). `records()` builds no chunk at all. Callers add only
   (ALREADY_EXISTS), tracks requests for drain, counts metrics, publishes to `rollout_stream`.
 - `jobs.JobRunner` (pull mode): maps InvalidArgument to JobRejected, gives every run of a job its own
   engine ids (a reclaimed job may run twice at once here), returns the records.
-- `openai_serving` (HTTP / OpenAI) the same way: a pre-tokenized prompt and per-request metadata go to
-  `prepare`, chunks stream as they come, `header.semantics` says how to read the logprobs, and a client
-  that disconnects closes the stream (or calls `abort()` to end it with "abort" records instead).
+- `openai_serving` (HTTP / OpenAI): checks a call's prompt and options once (`check`, all n choices),
+  then runs each choice as a request of its own (`Checked.sample`, `prepare_checked`); chunks stream as
+  they come, `header.semantics` says how to read the logprobs, and a client that disconnects closes the
+  stream (or calls `abort()` to end it with "abort" records instead).
 
     pipeline = Pipeline(engine, config)                   # once per process
     gen = pipeline.prepare(prompt_ids, options, request_id="", metadata={...})
                                                           # InvalidArgument here, before any engine call
+    # or: checked = pipeline.check(prompt_ids, options); gen = pipeline.prepare_checked(checked, ...)
     async with contextlib.aclosing(gen.stream()) as chunks:
         async for chunk in chunks:                        # RolloutChunk, in order over the n samples
             ...                                           # chunk.record is set on each sample's last chunk
@@ -37,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -113,6 +116,25 @@ class _StreamedSample:
             self._timer = None
 
 
+@dataclass(frozen=True)
+class Checked:
+    """A prompt and its sampling options that passed validation (`Pipeline.check`): what a request runs,
+    never validated again."""
+
+    prompt_ids: np.ndarray  # int32 [P], every id in [0, vocab_size)
+    params: SamplingParams  # sample 0's engine parameters (sample i is seeded seed + i)
+    n: int  # samples
+
+    def sample(self, i: int, *, logprobs_k: int | None = None) -> Checked:
+        """Sample i alone, as a request of its own (its seed: `validation.sample_params`). logprobs_k: a K
+        in place of the checked one, within the replica's max_logprobs (not checked again: an HTTP
+        session records the replica's K, which is that limit)."""
+        params = validation.sample_params(self.params, i)
+        if logprobs_k is not None:
+            params = replace(params, logprobs_k=logprobs_k)
+        return Checked(self.prompt_ids, params, 1)
+
+
 class Generation:
     """One validated request, run once: `stream()` or `records()`; `abort()` may come at any time."""
 
@@ -135,6 +157,11 @@ class Generation:
     def n(self) -> int:
         return self.header.group_size
 
+    @property
+    def logprobs_k(self) -> int:
+        """K of every record and chunk of this request (`RecordHeader.logprobs_k`)."""
+        return self.header.logprobs_k
+
     def abort(self) -> None:
         """End the request now (the server is draining): the stream stops reading, cancels the engine
         requests, then ends every unfinished sample with a last chunk (the tokens it still held) whose
@@ -146,7 +173,7 @@ class Generation:
         """Every chunk of the n samples in order; each sample's last chunk carries its record. A chunk
         holds one or more engine outputs' tokens, all of one policy version (`Coalescing`)."""
         self._start()
-        most = self._rule.tokens_per_chunk(self.header.semantics.logprobs_k)
+        most = self._rule.tokens_per_chunk(self.header.logprobs_k)
         samples = [
             _StreamedSample(SampleBuilder(self.header, i), self._fan, self._rule, most) for i in range(self.n)
         ]
@@ -216,6 +243,14 @@ class Pipeline:
             engine.limits, max_logprobs=config.max_logprobs, max_tokens=config.max_tokens, max_n=config.max_n
         )
 
+    def check(self, prompt_ids: np.ndarray, options: SamplingOptions) -> Checked:
+        """Validate a prompt (token ids [P], any integer dtype) and its options (all n samples) against the
+        replica's limits; raises InvalidArgument naming the field."""
+        prompt = np.asarray(prompt_ids)
+        validation.check_prompt(prompt, self.caps)
+        prompt = prompt.astype(np.int32, copy=False)  # in [0, vocab_size) by now, so the cast is exact
+        return Checked(prompt, validation.sampling_params(prompt, options, self.caps), options.n)
+
     def prepare(
         self,
         prompt_ids: np.ndarray,
@@ -235,13 +270,42 @@ class Pipeline:
         engine_id: sample i runs as engine request f"{engine_id}-{i}", by default the request id; a
         caller that may run the same request twice at once must pass a unique one. run_id: the training
         run every record carries (a pull-mode job's; trainers refuse records of another run)."""
+        self._check_identity(request_id, job_id, group_id, metadata)
+        checked = self.check(prompt_ids, options)
+        return self._generation(checked, request_id, job_id, group_id, metadata, engine_id, run_id)
+
+    def prepare_checked(
+        self,
+        checked: Checked,
+        *,
+        request_id: str = "",
+        job_id: str = "",
+        group_id: str = "",
+        metadata: Mapping[str, str] | None = None,
+        engine_id: str = "",
+        run_id: str = "",
+    ) -> Generation:
+        """`prepare` for a prompt and options that `check` validated already (they are not validated
+        again; the ids and metadata are)."""
+        self._check_identity(request_id, job_id, group_id, metadata)
+        return self._generation(checked, request_id, job_id, group_id, metadata, engine_id, run_id)
+
+    @staticmethod
+    def _check_identity(request_id: str, job_id: str, group_id: str, metadata: Mapping | None) -> None:
         # An id given as both request and job id (a pull-mode job) is named once, as job_id.
         validation.check_ids("" if request_id == job_id else request_id, job_id, group_id)
         validation.check_metadata(metadata or {})
-        prompt = np.asarray(prompt_ids)
-        validation.check_prompt(prompt, self.caps)
-        prompt = prompt.astype(np.int32, copy=False)  # in [0, vocab_size) by now, so the cast is exact
-        params = validation.sampling_params(prompt, options, self.caps)
+
+    def _generation(
+        self,
+        checked: Checked,
+        request_id: str,
+        job_id: str,
+        group_id: str,
+        metadata: Mapping[str, str] | None,
+        engine_id: str,
+        run_id: str,
+    ) -> Generation:
         request_id = request_id or validation.new_request_id()
         e = self.engine
         header = RecordHeader(
@@ -249,10 +313,12 @@ class Pipeline:
             job_id=job_id,
             group_id=group_id,
             metadata=dict(metadata or {}),
-            prompt_ids=prompt,
-            semantics=semantics_for(params, engine=e.name, engine_version=e.version, model=e.model_id),
+            prompt_ids=checked.prompt_ids,
+            semantics=semantics_for(
+                checked.params, engine=e.name, engine_version=e.version, model=e.model_id
+            ),
             replica_id=self.replica_id,
-            group_size=options.n,
+            group_size=checked.n,
             run_id=run_id,
         )
-        return Generation(e, header, params, engine_id or request_id, self.coalescing)
+        return Generation(e, header, checked.params, engine_id or request_id, self.coalescing)

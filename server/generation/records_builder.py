@@ -98,6 +98,12 @@ class RecordHeader:
     group_size: int = 1  # samples of this request / job (n)
     run_id: str = ""  # the training run the records belong to (the job's; docs/records.md)
 
+    @property
+    def logprobs_k(self) -> int:
+        """K of the request: its records' `semantics.logprobs_k`, which every engine output, chunk and
+        record array of the request is built and checked to (`RolloutRecord.logprobs_k` reads it back)."""
+        return self.semantics.logprobs_k
+
 
 def build_record(
     header: RecordHeader,
@@ -110,7 +116,7 @@ def build_record(
 ) -> RolloutRecord:
     """The finished record of one sample from all of its engine outputs, in order."""
     first, last, changes = version_history(outputs, current_version)
-    tokens = merge(outputs, header.semantics.logprobs_k, last)
+    tokens = merge(outputs, header.logprobs_k, last)
     return RolloutRecord(
         # A job retried on another replica yields the same rollout_ids; without a job id the request
         # id stands in (unique per request, so no dedup across retries).
@@ -199,7 +205,7 @@ class SampleBuilder:
         """Keep an output (checked against the engine contract) for the next chunk and the record. The
         caller takes the held tokens as a chunk before adding tokens of another policy version
         (`changes_version`): a chunk has one version."""
-        check_output(out, self.header.semantics.logprobs_k)
+        check_output(out, self.header.logprobs_k)
         t = len(out.token_ids)
         if t and self._held_version is None:
             self._held_version = out.policy_version
@@ -221,7 +227,7 @@ class SampleBuilder:
             version = self._held_version
         elif version is None:
             version = self.outputs[-1].policy_version if self.outputs else 0
-        held = merge(self.outputs[self._unsent :], self.header.semantics.logprobs_k, version)
+        held = merge(self.outputs[self._unsent :], self.header.logprobs_k, version)
         self.outputs[self._unsent :] = [held] if len(held.token_ids) else []
         chunk = chunk_for(
             held,

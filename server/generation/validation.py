@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -119,6 +119,7 @@ def sampling_params(prompt: np.ndarray, o: SamplingOptions, caps: Caps) -> Sampl
     """Validate `o` for `prompt` (int32 [P], already checked) and return the engine's parameters."""
     problems = sampling.problems(
         o,
+        n=o.n,
         vocab_size=caps.vocab_size,
         max_tokens=caps.max_tokens,
         max_logprobs=caps.max_logprobs,
@@ -142,13 +143,16 @@ def sampling_params(prompt: np.ndarray, o: SamplingOptions, caps: Caps) -> Sampl
     )
 
 
+def sample_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Sample i's parameters: seed + i (`sampling_params` checked that seed + n - 1 fits)."""
+    return params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
+
+
 def engine_requests(
     request_id: str, prompt: np.ndarray, params: SamplingParams, n: int
 ) -> list[EngineRequest]:
-    """One engine request per sample: sample i is f"{request_id}-{i}" and uses seed + i."""
-    out = []
-    for i in range(n):
-        seed = None if params.seed is None else params.seed + i
-        p = params if seed == params.seed else SamplingParams(**{**params.__dict__, "seed": seed})
-        out.append(EngineRequest(request_id=f"{request_id}-{i}", prompt_ids=prompt, params=p))
-    return out
+    """One engine request per sample: sample i is f"{request_id}-{i}" with `sample_params(params, i)`."""
+    return [
+        EngineRequest(request_id=f"{request_id}-{i}", prompt_ids=prompt, params=sample_params(params, i))
+        for i in range(n)
+    ]

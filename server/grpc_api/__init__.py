@@ -1,2 +1,4 @@
-"""The gRPC front end: the servicer (Generate, UpdateWeights, PushWeights, GetInfo) and the one
-boundary that maps exceptions to gRPC status codes (the HTTP front end derives its statuses from it)."""
+"""The gRPC front end: the servicer and the one boundary that maps exceptions to gRPC status codes.
+
+`servicer.py` (Generate, UpdateWeights, PushWeights, GetInfo), `errors.py` (the statuses; the HTTP front
+end derives its own from them)."""

@@ -106,7 +106,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             raise AlreadyExists(f"request_id {gen.request_id!r} is already in flight on this replica")
         finished = []  # records, published to `stream` once the request is complete
         arrays = request.include_record_arrays
-        tracker = self._metrics.generate_started(gen.params.logprobs_k)
+        tracker = self._metrics.generate_started(gen.logprobs_k)
         self._running.add(gen)
         try:
             async with contextlib.aclosing(gen.stream()) as chunks:

@@ -1,11 +1,13 @@
 """The OpenAI-compatible calls' work: request → prompt ids → n choices through the pipeline → OpenAI JSON.
 
 The third front end of `pipeline.Pipeline` (after gRPC and pull mode): a prompt (rendered by the chat
-template, tokenized, or planned against an agent session) goes to `pipeline.prepare` once per choice —
-choice i is a one-sample request seeded seed + i, exactly as sample i of a gRPC request with n samples —
-so each choice can end on its own stop string: the choice's text is decoded incrementally, and where a
-stop string appears the request is aborted and its record cut after the token that completed it
-(finish_reason "stop"). Records are what the engine sampled; text is what the client is shown.
+template, tokenized, or planned against an agent session) and its options are validated once for all n
+choices (`pipeline.check`, the rules of a gRPC request with n samples), then each choice runs as a request
+of its own (`pipeline.prepare_checked`) — choice i is a one-sample request seeded seed + i, exactly as
+sample i of a gRPC request — so each choice can end on its own stop string: the choice's text is
+decoded incrementally, and where a stop string appears the request is aborted and its record cut after
+the token that completed it (finish_reason "stop"). Records are what the engine sampled; text is what
+the client is shown.
 
 A call with a session (`sessions.Session`) marks it busy from planning until `Call.close()` (the end of
 its run, or its response given up); the turn joins the trajectory only when it finished ("stop" /
@@ -304,22 +306,21 @@ class OpenAIServing:
         try:
             plan = plan_of(session if session is not None else _Scratch())
             prompt = plan.prompt_ids
-            validation.check_prompt(prompt, self.caps)
             if max_tokens is None:
                 room = self.caps.max_model_len - int(prompt.size)
                 max_tokens = default_max or max(1, min(self.caps.max_tokens, room))
             options = oa.sampling_options(req, max_tokens=max_tokens, logprobs_k=req.logprobs_k)
-            validation.sampling_params(prompt, options, self.caps)  # every option, n samples, as gRPC
+            checked = self.pipeline.check(prompt, options)  # the prompt and every option, n samples, once
+            k = None
             if session is not None:
                 session.check_call(plan, options, self.sessions.max_tokens)
                 # The record carries the replica's K whatever the client shows: the trainer's masks need it.
-                options = replace(options, logprobs_k=self.caps.max_logprobs)
+                k = self.caps.max_logprobs
             stops = req.stop_strings()
             run_id = self.run_id()
-            for i in range(options.n):
-                seed = None if options.seed is None else options.seed + i
-                gen = self.pipeline.prepare(
-                    prompt, replace(options, n=1, seed=seed), request_id=f"{call.id}-{i}", run_id=run_id
+            for i in range(checked.n):  # each choice a request of its own, seeded seed + i
+                gen = self.pipeline.prepare_checked(
+                    checked.sample(i, logprobs_k=k), request_id=f"{call.id}-{i}", run_id=run_id
                 )
                 call.runs.append(ChoiceRun(i, gen, self.chat, stops))
             call.prompt_ids = call.runs[0].gen.header.prompt_ids
@@ -333,7 +334,7 @@ class OpenAIServing:
 
     async def run(self, call: Call) -> AsyncIterator[Piece]:
         """Every piece of every choice in arrival order; a session's turn is recorded as it ends."""
-        k = call.runs[0].gen.params.logprobs_k
+        k = call.runs[0].gen.logprobs_k
         tracker = self.metrics.generate_started(k)
         for r in call.runs:
             self._running.add(r.gen)

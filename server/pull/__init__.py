@@ -1,2 +1,4 @@
-"""Pull mode: the prompt stream's consumer (claim, heartbeats, reclaim), a job through the pipeline,
-and the publisher of finished records into the rollout stream."""
+"""Pull mode: the prompt stream's consumer, a job through the pipeline, the finished records' publisher.
+
+`puller.py` (claim, heartbeats, reclaim), `jobs.py` (a job through the pipeline), `publisher.py` (into
+the rollout stream)."""

@@ -14,9 +14,9 @@ call that ends early refuses the whole push, so nothing partial is ever loaded. 
   loads files (vLLM: its workers run in another process and read the file by path). Receiving holds one
   chunk in memory; the file is deleted on any error.
 
-Either way the engine then applies the checks of a checkpoint (names, shapes, dtypes, finite values;
-`weight_sources.StreamedSource`). Knows nothing of gRPC beyond the converter's message types, nor of
-engines.
+Either way the engine then applies the checks of a checkpoint (`tensor_rules`: names, shapes, dtypes,
+finite values; `weight_sources.StreamedSource`). Knows nothing of gRPC beyond the converter's message
+types, nor of engines.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The one weight source contract: where an update's tensors come from, and how an engine loads them.
 
 Three sources, one set of semantics (pause, load, version bump, resume; names, shapes, dtypes and
-finite values checked; a failed update leaves the old weights serving):
+finite values checked by the one rule set, `tensor_rules`; a failed update leaves the old weights
+serving):
 
 - `DirectorySource`: a checkpoint directory under the replica's weights root (UpdateWeights with
   `checkpoint`), checked by `weights.resolve_checkpoint`.

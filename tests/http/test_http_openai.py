@@ -168,7 +168,12 @@ def test_token_ids_round_trip_as_a_prompt(served):
     assert again.model_extra["token_ids"] == first.model_extra["token_ids"] and again.text == first.text
 
 
-def test_n_choices_are_the_grpc_samples_seeded_seed_plus_i(served):
+def test_n_choices_are_the_grpc_samples_seeded_seed_plus_i(served, monkeypatch):
+    from maskroll.server.generation import validation
+
+    checked = []  # the sampling options validated: once for the call, its n choices included
+    real = validation.sampling_params
+    monkeypatch.setattr(validation, "sampling_params", lambda p, o, c: checked.append(o.n) or real(p, o, c))
     out = served.openai().completions.create(
         model="model",
         prompt=PROMPT_IDS,
@@ -177,6 +182,7 @@ def test_n_choices_are_the_grpc_samples_seeded_seed_plus_i(served):
         seed=40,
         extra_body={"return_token_ids": True, "ignore_eos": True},
     )
+    assert checked == [3]
     recs = grpc_records(served, PROMPT_IDS, max_tokens=4, seed=40, n=3, logprobs_k=0, ignore_eos=True)
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert [c.model_extra["token_ids"] for c in out.choices] == [r.completion_ids.tolist() for r in recs]

@@ -30,7 +30,7 @@ def clean_env(monkeypatch):
 
 
 def base(config: EngineConfig, *, cuda: bool, gpus: int = 0) -> dict:
-    from maskroll.server.engines.vllm_engine import base_engine_args
+    from maskroll.server.engines.vllm_args import base_engine_args
 
     return base_engine_args(MODEL, config, max_logprobs=20, max_batch=32, cuda=cuda, gpu_count=gpus)
 

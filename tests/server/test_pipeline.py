@@ -17,6 +17,7 @@ from maskroll.client import RecordAssembler, RolloutClient, SamplingOptions
 from maskroll.proto.records import PromptJob, rollout_id_for
 from maskroll.proto.sampling import temperature_problem
 from maskroll.server.engines.contract import EngineRequest, SamplingParams
+from maskroll.server.generation import validation
 from maskroll.server.generation.pipeline import Pipeline
 from maskroll.server.grpc_api.errors import InvalidArgument
 from maskroll.server.pull.jobs import JobRunner
@@ -109,6 +110,33 @@ def test_invalid_requests_raise_before_any_engine_call(fake_model_dir, prompt, o
         pipeline.prepare(prompt, SamplingOptions(**{"max_tokens": 3, **options}), **ids)
     assert str(err.value).startswith(message), str(err.value)
     assert engine.requests == [] and engine.aborted == []
+
+
+def test_a_checked_request_is_not_validated_again_and_sample_i_alone_is_sample_i(fake_model_dir, monkeypatch):
+    # The HTTP front end's path: one check for all n choices, then each choice as a request of its own.
+    pipeline, engine = make(fake_model_dir, NO_TIMER)
+    checked = pipeline.check(
+        np.array([3, 4], np.int64), SamplingOptions(max_tokens=4, n=3, seed=7, logprobs_k=2)
+    )
+    assert checked.prompt_ids.dtype == np.int32 and checked.n == 3 and checked.params.seed == 7
+    monkeypatch.setattr(validation, "sampling_params", None)  # prepare_checked must not ask again
+    together = asyncio.run(pipeline.prepare_checked(checked, request_id="all").records())
+    alone = [
+        asyncio.run(pipeline.prepare_checked(checked.sample(i), request_id=f"one{i}").records())[0]
+        for i in range(3)
+    ]
+    for i, rec in enumerate(alone):
+        assert (rec.group_size, rec.sample_index) == (1, 0)
+        np.testing.assert_array_equal(rec.completion_ids, together[i].completion_ids)
+        np.testing.assert_array_equal(rec.completion_ids, [scripted_token(7 + i, j, 50) for j in range(4)])
+    assert [q.params.seed for q in engine.requests[3:]] == [7, 8, 9]
+    # another K for one sample (an HTTP session records the replica's): in the params and the semantics
+    gen = pipeline.prepare_checked(checked.sample(1, logprobs_k=5))
+    assert gen.params.logprobs_k == gen.logprobs_k == gen.header.semantics.logprobs_k == 5
+    assert asyncio.run(gen.records())[0].logprobs_k == 5
+    # ids and metadata are still checked
+    with pytest.raises(InvalidArgument, match="group_id"):
+        pipeline.prepare_checked(checked, group_id="a\nb")
 
 
 def test_abort_mid_stream_ends_every_sample_with_an_abort_record(fake_model_dir):

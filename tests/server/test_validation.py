@@ -10,6 +10,7 @@ import pytest
 
 from maskroll.proto.records import SamplingOptions
 from maskroll.proto.sampling import temperature_problem
+from maskroll.server.engines.contract import EngineLimits, EngineRequest, SamplingParams, check_request
 from maskroll.server.generation.validation import (
     Caps,
     check_ids,
@@ -160,6 +161,29 @@ def test_the_sdk_and_the_server_apply_one_rule_with_one_message(options, message
     with pytest.raises(InvalidArgument) as err:
         sampling_params(PROMPT, o, CAPS)
     assert str(err.value) == f"options.{message}"
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (dict(temperature=0.0), temperature_problem(0.0)),
+        (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+        (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
+        (dict(logprobs_k=21), "logprobs_k must be in [0, 20], got 21"),
+        (dict(stop_token_ids=tuple(range(1025))), "stop_token_ids has 1025 ids; at most 1024"),
+        (dict(stop_token_ids=(-1,)), "stop_token_ids[0] = -1 is negative"),
+    ],
+)
+def test_the_engine_guard_asks_the_same_rule_of_its_parameters(params, message):
+    # What reaches an engine without the pipeline (a direct caller, a test): the rule set of
+    # validation, asked of the engine's parameters as they are (one sample), with the same message.
+    limits = EngineLimits(vocab_size=100, max_model_len=64, max_logprobs=20)
+    request = EngineRequest("guard-0", PROMPT, SamplingParams(**{"max_tokens": 5, **params}))
+    with pytest.raises(ValueError) as err:
+        check_request(request, limits)
+    assert str(err.value) == message
+    # the context and the vocabulary are no limits of the guard: the engine ends a sample at max_model_len
+    check_request(EngineRequest("ok", PROMPT, SamplingParams(max_tokens=1000, stop_token_ids=(500,))), limits)
 
 
 def test_without_server_limits_the_sdk_checks_only_what_holds_everywhere():

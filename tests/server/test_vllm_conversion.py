@@ -13,12 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maskroll.server.engines.vllm_engine import (
-    _split_by_version,
-    check_checkpoint,
-    logprob_arrays,
-    token_versions,
-)
+from maskroll.server.engines.vllm_engine import check_checkpoint
+from maskroll.server.engines.vllm_outputs import logprob_arrays, split_by_version, token_versions
 
 
 @dataclass
@@ -101,13 +97,13 @@ def test_token_versions_and_runs() -> None:
     starts = [("0", 0), ("1", 5), ("2", 7)]
     np.testing.assert_array_equal(token_versions(starts, 3, 6), [0, 0, 1, 1, 2, 2])
     np.testing.assert_array_equal(token_versions(starts, 7, 2), [2, 2])
-    assert _split_by_version(np.array([0, 0, 1, 1, 2, 2])) == [(0, 2, 0), (2, 4, 1), (4, 6, 2)]
-    assert _split_by_version(np.array([3, 3, 3])) == [(0, 3, 3)]
+    assert split_by_version(np.array([0, 0, 1, 1, 2, 2])) == [(0, 2, 0), (2, 4, 1), (4, 6, 2)]
+    assert split_by_version(np.array([3, 3, 3])) == [(0, 3, 3)]
     with pytest.raises(RuntimeError, match="do not cover"):
         token_versions([("1", 4)], 2, 3)
 
 
-def test_check_checkpoint_compares_names_and_shapes(tmp_path: Path) -> None:
+def test_check_checkpoint_applies_the_weight_rules(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     from safetensors.torch import save_file
 
@@ -123,6 +119,17 @@ def test_check_checkpoint_compares_names_and_shapes(tmp_path: Path) -> None:
         check_checkpoint(write("missing", {"a": torch.ones(2, 3)}), ref)
     with pytest.raises(ValueError, match="wrong shape"):
         check_checkpoint(write("shape", {"a": torch.ones(3, 2), "b": torch.ones(4)}), ref)
+    # the rules the torch engine applies too (server/weights/tensor_rules.py): dtype kinds, and finite
+    # values as served, after the cast to the engine's dtype
+    ints = write("ints", {"a": torch.ones(2, 3, dtype=torch.int64), "b": torch.ones(4)})
+    with pytest.raises(ValueError, match=r"wrong dtype \(floating point or not\) \['a'\]"):
+        check_checkpoint(ints, ref)
+    wide = write("wide", {"a": torch.ones(2, 3, dtype=torch.float64) * 1e39, "b": torch.ones(4)})
+    check_checkpoint(wide, ref)  # finite as stored
+    with pytest.raises(
+        ValueError, match=r"'a' in .* has 6 non-finite values .*after the cast to torch\.float32"
+    ):
+        check_checkpoint(wide, ref, dtype="float32")
     truncated = write("truncated", {"a": torch.ones(2, 3), "b": torch.ones(4)})
     path = truncated / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-8])

@@ -424,13 +424,13 @@ def test_update_weights_mid_stream(
     version labels say exactly which is which. The consumer lags on purpose, so vLLM merges outputs
     from both sides of the update into one delta, which the engine must split."""
     runs_seen: list[list[tuple[int, int, int]]] = []
-    split = vllm_engine_module._split_by_version
+    split = vllm_engine_module.split_by_version
 
     def spy(versions):
         runs_seen.append(split(versions))
         return runs_seen[-1]
 
-    monkeypatch.setattr(vllm_engine_module, "_split_by_version", spy)
+    monkeypatch.setattr(vllm_engine_module, "split_by_version", spy)
     prompt, v0 = PROMPTS[1], rig.engine.policy_version
 
     async def scenario():
