@@ -8,9 +8,10 @@ Importing this module registers, with verl's `register_policy_loss`:
     maskroll_dppo, maskroll_predictive            the binary-KL variants under short names
 
 Each takes verl's call (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-rollout_is_weights) and returns (loss, metrics) the way verl's own losses do: the per-token loss
-−A · w · M · log π_a of `policy_loss` (docs/math.md §5) times the rollout IS weights, aggregated by
-verl's `agg_loss` with the actor's global batch info; `actor/pg_clipfrac` is the masked fraction,
+rollout_is_weights) and returns (loss, metrics) the way verl's own losses do: the masks of the trainer
+adapter's `sampled_token_masks` (docs/math.md §3), its per-token loss −A · w · M · log π_a (`token_loss`,
+§5) times the rollout IS weights, aggregated by verl's `agg_loss` with the actor's global batch info (the
+normalisation across data-parallel ranks is verl's); `actor/pg_clipfrac` is the masked fraction,
 `actor/pg_clipfrac_lower` the fraction at the IS cap, `actor/ppo_kl` as verl computes it, plus
 `actor/maskroll/*`.
 
@@ -35,10 +36,7 @@ from typing import Any
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
-from maskroll.trainer_adapter import MaskConfig
-from maskroll.trainer_adapter import divergences as dv
-from maskroll.trainer_adapter.loss import LOG_RATIO_MAX
-from maskroll.trainer_adapter.masks import DECISIONS, Quantities
+from maskroll.trainer_adapter import MaskConfig, sampled_token_masks, token_loss
 
 Tensor = torch.Tensor
 
@@ -51,11 +49,6 @@ LOSS_MODES: dict[str, tuple[str, str]] = {
     "maskroll_predictive_tv": ("predictive", "binary_tv"),
     "maskroll_dppo": ("dppo", "binary_kl"),
     "maskroll_predictive": ("predictive", "binary_kl"),
-}
-
-_DIVERGENCE = {
-    "binary_kl": (dv.binary_kl, dv.binary_kl_direction),
-    "binary_tv": (dv.binary_tv, dv.binary_tv_direction),
 }
 
 
@@ -103,43 +96,33 @@ def maskroll_policy_loss(
     """verl's policy-loss call convention around maskroll's binary-divergence masks and loss (§3–§5)."""
     cfg, is_cap = mask_config(config, method, divergence)
     valid = response_mask.bool()
-    lp, lm = log_prob.detach(), old_log_prob.to(log_prob.dtype)
-    d_fn, p_fn = _DIVERGENCE[divergence]
-    with torch.no_grad():
-        # Σπ² is unknown here; π_a² (its lower bound) leaves the sign of P̂ — all the mask uses — exact.
-        q = Quantities(
-            adv=advantages.to(lp.dtype).reshape(-1),
-            logpi_a=lp.reshape(-1),
-            mu_a_log=lm.reshape(-1),
-            divergence=d_fn(lp, lm).reshape(-1),
-            predicted=p_fn(lp, lm, lp.exp().square()).reshape(-1),
-            ratio_direction=(lp.exp() - lm.exp()).reshape(-1),
-            valid=valid.reshape(-1),
-        )
-        decision = DECISIONS[cfg.method](q, cfg)
-        keep = decision.keep.reshape(lp.shape)
-        raw_w = (lp - lm).clamp(max=LOG_RATIO_MAX).exp()
-        w = raw_w.clamp(max=is_cap)
-        coef = advantages.to(lp.dtype) * w * keep  # [B, T]
-        if rollout_is_weights is not None:
-            coef = coef * rollout_is_weights.to(lp.dtype)
-    # where() rather than a product: a masked token may carry log π_a = −inf
-    per_tok = -coef * torch.where(coef != 0, log_prob, torch.zeros_like(log_prob))
+    res = sampled_token_masks(log_prob, old_log_prob, advantages, config=cfg, response_mask=valid)
+    t = token_loss(
+        log_prob,
+        old_log_prob,
+        advantages,
+        res.keep,
+        is_cap=is_cap,
+        response_mask=valid,
+        token_weights=rollout_is_weights,
+    )
     loss = agg_loss(
-        loss_mat=per_tok,
+        loss_mat=t.loss,
         loss_mask=response_mask,
         loss_agg_mode=loss_agg_mode,
         **(config.get("global_batch_info", None) or {}),
     )
-    vf = valid.to(lp.dtype)
-    metrics = {
-        "actor/pg_clipfrac": _masked_mean((~keep).to(lp.dtype), vf),
-        "actor/ppo_kl": _masked_mean(lm - lp, vf),
-        "actor/pg_clipfrac_lower": _masked_mean((raw_w > is_cap).to(lp.dtype), vf),
-        "actor/maskroll/far_frac": _masked_mean(decision.far.reshape(lp.shape).to(lp.dtype), vf),
-        "actor/maskroll/divergence_mean": _masked_mean(q.divergence.reshape(lp.shape), vf),
-        "actor/maskroll/is_weight_mean": _masked_mean(w, vf),
-    }
+    with torch.no_grad():
+        lp, lm = log_prob.detach(), old_log_prob.to(log_prob.dtype)
+        vf = valid.to(lp.dtype)
+        metrics = {
+            "actor/pg_clipfrac": _masked_mean((~res.keep).to(lp.dtype), vf),
+            "actor/ppo_kl": _masked_mean(lm - lp, vf),
+            "actor/pg_clipfrac_lower": _masked_mean((t.is_weight_raw > is_cap).to(lp.dtype), vf),
+            "actor/maskroll/far_frac": _masked_mean(res.far.to(lp.dtype), vf),
+            "actor/maskroll/divergence_mean": _masked_mean(res.divergence, vf),
+            "actor/maskroll/is_weight_mean": _masked_mean(t.is_weight, vf),
+        }
     return loss, metrics
 
 

@@ -187,3 +187,37 @@ def test_masks_and_loss_ignore_what_the_model_did_not_sample() -> None:
     assert not keep_a[~resp].any() and keep_a[resp].any()
     assert grad_a[0][~resp[0]].abs().sum() == 0  # no gradient through tool / template tokens
     assert grad_a[0][resp[0]].abs().sum() > 0
+
+
+def test_compute_masks_for_reads_the_batch() -> None:
+    """compute_masks_for(batch, logits) is compute_masks with the batch's fields spelled out — from a
+    Batch, or from a dict of the same tensors (TRL's micro-batches) — and takes a Batch's truncation."""
+    from maskroll.trainer_adapter import MaskConfig, compute_masks, compute_masks_for
+
+    recs = [_rec("a", [1, 2], [3, 4, 5], k=2, top_p=0.9), _rec("a", [1], [6, 7], k=2, top_p=0.9)]
+    recs[1].rollout_id = "a-2b"
+    b = collate(recs, [1.0, 0.0], allow_truncation=True)
+    logits = torch.randn(2, 3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cfg = MaskConfig(method="predictive", divergence="topk_tv", delta=0.05, replay_truncation=True)
+    want = compute_masks(
+        logits, b.completion_ids, b.sampled_logprobs, b.topk_ids, b.topk_logprobs, b.advantages,
+        config=cfg, temperature=b.temperature, top_p=0.9, response_mask=b.response_mask,
+    )  # fmt: skip
+    as_dict = {k: v for k, v in b.__dict__.items() if isinstance(v, torch.Tensor)}
+    for got in (
+        compute_masks_for(b, logits, config=cfg),
+        compute_masks_for(b, logits, config=cfg, top_p=0.9),
+        compute_masks_for(as_dict, logits, config=cfg, top_p=0.9),
+    ):
+        for name, value in want.__dict__.items():
+            assert torch.equal(getattr(got, name), value), name
+    untruncated = compute_masks(
+        logits, b.completion_ids, b.sampled_logprobs, b.topk_ids, b.topk_logprobs, b.advantages,
+        config=cfg, temperature=b.temperature, response_mask=b.response_mask,
+    )  # fmt: skip
+    assert not torch.equal(untruncated.logprobs, want.logprobs)  # top_p = 0.9 was replayed on π
+    with pytest.raises(ValueError, match=r"top_k, top_p = \(None, 0\.5\), but the batch was collated with"):
+        compute_masks_for(b, logits, config=cfg, top_p=0.5)
+    # the Batch's truncation is read: without replay the masks refuse the truncated batch
+    with pytest.raises(ValueError, match="sampled with truncation"):
+        compute_masks_for(b, logits, config=MaskConfig(method="predictive", divergence="topk_tv"))

@@ -105,7 +105,7 @@ def check_semantics(
         raise SemanticsError(
             f"logprobs_mode {sorted(modes)}: only 'processed' logprobs describe μ (docs/math.md §6)"
         )
-    ks = {int(r.topk_ids.shape[1]) for r in records}
+    ks = {r.logprobs_k for r in records}  # the record's one K (RolloutRecord.logprobs_k)
     if len(ks) != 1:
         raise SemanticsError(f"records carry different K {sorted(ks)}; collate one K per batch")
     # The SDK's rule (maskroll.proto.sampling), which the server applied when it sampled them.
@@ -153,7 +153,7 @@ def collate(
         raise ValueError(f"rewards has shape {rewards.shape}; expected ({len(records)},), one per record")
     rows = [(i, prompt, part) for i, r in enumerate(records) for prompt, part in _rows(r)]
     b = len(rows)
-    k = int(records[0].topk_ids.shape[1])
+    k = records[0].logprobs_k
     p_max = max(len(prompt) for _, prompt, _ in rows)
     t_max = max(1, max(part.stop - part.start for _, _, part in rows))
     input_ids = np.full((b, p_max + t_max), pad_id, np.int64)

@@ -1,12 +1,18 @@
-"""policy_loss: the truncated-IS policy-gradient loss with a token mask, and its metrics (docs/math.md §5).
+"""policy_loss: the truncated-IS policy-gradient loss with a token mask, an optional KL-to-reference term,
+and its metrics (docs/math.md §5).
 
 ℓ_token = −A · w · M · log π_a,  w = min(exp(min(log π_a − log μ_a, 20)), C); w and M are constants.
+With `ref_logprobs`: + β · r · k3, k3 = π_ref/π_a − log(π_ref/π_a) − 1, r = π_a/μ_a (with gradient).
+
+`token_loss` is ℓ_token alone, for a trainer that aggregates itself (verl's `agg_loss` across ranks);
+`policy_loss` aggregates it by one of `AGGREGATIONS`, adds the KL term and reports the metrics.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -23,6 +29,9 @@ def _mean(x: Tensor, where: Tensor) -> Tensor:
     return torch.where(where > 0, x * where, 0.0).sum() / where.sum()
 
 
+# ---- aggregations (docs/math.md §5): per-token values, 0 off `valid`, → a scalar ------------------------
+
+
 def _token_mean(per_tok: Tensor, valid: Tensor, max_len: int | None) -> Tensor:
     return per_tok.sum() / valid.sum().clamp_min(1)
 
@@ -37,11 +46,96 @@ def _seq_mean(per_tok: Tensor, valid: Tensor, max_len: int | None, *, sum_norm: 
     return (per_seq * has).sum() / has.sum().clamp_min(1)
 
 
-_AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, int | None], Tensor]] = {
+# aggregation → its function, looked up once per call (STYLE.md §3). Each takes the per-token values
+# ([N] or [B, T], 0 off `valid`), the bool `valid` and seq_mean_token_sum_norm's constant.
+AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, int | None], Tensor]] = {
     "token_mean": _token_mean,
     "seq_mean_token_mean": lambda p, v, m: _seq_mean(p, v, m, sum_norm=False),
     "seq_mean_token_sum_norm": lambda p, v, m: _seq_mean(p, v, m, sum_norm=True),
 }
+
+
+# ---- the per-token policy term ----------------------------------------------------------------------
+
+
+class TokenLoss(NamedTuple):
+    """token_loss's outputs, each shaped like `logprobs`; all but `loss` detached."""
+
+    loss: Tensor  # ℓ_token (× the token weight); 0 where M = 0 or off the response; grad via log π_a only
+    is_weight: Tensor  # w, capped at C
+    is_weight_raw: Tensor  # exp(min(log π_a − log μ_a, 20)), before the cap
+    kept: Tensor  # bool: M ∧ response
+    advantages: Tensor  # A per token, in logprobs' dtype
+    response_mask: Tensor  # bool
+
+
+def token_loss(
+    logprobs: Tensor,  # [N] or [B, T] log π_a, with grad
+    sampled_logprobs: Tensor,  # [N] or [B, T] rollout log μ_a
+    advantages: Tensor,  # [N], [B, T] or per sequence [B]
+    keep: Tensor,  # bool, like logprobs: M
+    *,
+    is_cap: float = 10.0,
+    response_mask: Tensor | None = None,  # bool like logprobs; default all tokens
+    token_weights: Tensor | None = None,  # like logprobs, constant: multiplies ℓ_token (verl's rollout IS)
+) -> TokenLoss:
+    """ℓ_token = −A · w · M · log π_a per token, not aggregated (docs/math.md §5)."""
+    if not is_cap > 0:
+        raise ValueError(f"is_cap={is_cap}; expected > 0")
+    lead = logprobs.shape
+    check_shape(sampled_logprobs, tuple(lead), "sampled_logprobs")
+    check_shape(keep, tuple(lead), "keep")
+    valid = torch.ones_like(keep, dtype=torch.bool) if response_mask is None else response_mask.to(torch.bool)
+    check_shape(valid, tuple(lead), "response_mask")
+    if token_weights is not None:
+        check_shape(token_weights, tuple(lead), "token_weights")
+    adv = per_token(advantages, lead, "advantages", logprobs.dtype).to(logprobs.device).reshape(lead)
+
+    with torch.no_grad():
+        log_ratio = (logprobs.detach() - sampled_logprobs.to(logprobs.dtype)).clamp(max=LOG_RATIO_MAX)
+        raw_w = log_ratio.exp()
+        w = raw_w.clamp(max=is_cap)
+        m = keep.to(torch.bool) & valid
+        coef = adv * w * m  # like logprobs
+        if token_weights is not None:
+            coef = coef * token_weights.to(logprobs.dtype)
+    # where() rather than a product: a masked token may carry log π_a = −inf (truncated by replay).
+    per_tok = -coef * torch.where(coef != 0, logprobs, torch.zeros_like(logprobs))
+    return TokenLoss(per_tok, w, raw_w, m, adv, valid)
+
+
+# ---- the KL-to-reference term -----------------------------------------------------------------------
+
+
+def ref_kl(
+    logprobs: Tensor,  # [N] or [B, T] log π_a, with grad
+    ref_logprobs: Tensor,  # like logprobs: log π_ref(a), constant
+    sampled_logprobs: Tensor,  # like logprobs: log μ_a
+    valid: Tensor,  # bool like logprobs: response tokens
+    *,
+    is_weight: bool = True,
+) -> tuple[Tensor, Tensor]:  # per token r · k3 (0 where not counted), bool: counted
+    """The k3 estimate of KL(π‖π_ref) per token, times r = π_a/μ_a if `is_weight` (docs/math.md §5).
+
+    Counted: response tokens where it is finite (a replayed truncation may leave log π_a = −inf); the
+    others are 0 with a zero, not nan, gradient.
+    """
+
+    def k3(lp: Tensor, ref: Tensor, mu: Tensor) -> Tensor:
+        d = ref - lp  # log(π_ref / π_a)
+        kl = torch.exp(d) - d - 1
+        return kl * torch.exp(lp - mu) if is_weight else kl
+
+    with torch.no_grad():
+        counted = valid & torch.isfinite(k3(logprobs, ref_logprobs, sampled_logprobs))
+    # Evaluated on inputs zeroed outside `counted`: where() after an infinite exp() would backpropagate
+    # 0 · inf = nan into log π_a.
+    safe = (torch.where(counted, t, torch.zeros_like(t)) for t in (logprobs, ref_logprobs, sampled_logprobs))
+    kl = k3(*safe)
+    return torch.where(counted, kl, 0.0), counted
+
+
+# ---- policy_loss ------------------------------------------------------------------------------------
 
 
 def policy_loss(
@@ -55,31 +149,31 @@ def policy_loss(
     response_mask: Tensor | None = None,  # bool; default: masks.response_mask, else all tokens
     max_len: int | None = None,  # seq_mean_token_sum_norm's constant; default T
     masks: MaskResult | None = None,  # adds divergence / direction / mismatch metrics
+    ref_logprobs: Tensor | None = None,  # like logprobs: log π_ref(a); adds the KL term and `ref_kl`
+    kl_coef: float = 0.0,  # β of the KL term
+    kl_is_weight: bool = True,  # the KL term's r = π_a/μ_a (TRL's use_bias_correction_kl)
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Scalar loss and a dict of 0-dim detached metric tensors (docs/math.md §5)."""
-    if aggregation not in _AGGREGATIONS:
-        raise ValueError(f"aggregation={aggregation!r}; expected one of {tuple(_AGGREGATIONS)}")
-    if not is_cap > 0:
-        raise ValueError(f"is_cap={is_cap}; expected > 0")
-    lead = logprobs.shape
-    check_shape(sampled_logprobs, tuple(lead), "sampled_logprobs")
-    check_shape(keep, tuple(lead), "keep")
+    """Scalar loss and a dict of 0-dim detached metric tensors (docs/math.md §5).
+
+    With `ref_logprobs`: + kl_coef · (r · k3 aggregated by `aggregation` over the tokens where it is
+    finite), and the metric `ref_kl`, its mean over those tokens.
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r}; expected one of {tuple(AGGREGATIONS)}")
+    if not math.isfinite(kl_coef):
+        raise ValueError(f"kl_coef={kl_coef}; expected a finite number")
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs (log π_ref of the sampled tokens)")
+    aggregate = AGGREGATIONS[aggregation]
     if response_mask is None and masks is not None:
         response_mask = masks.response_mask
-    valid = torch.ones_like(keep, dtype=torch.bool) if response_mask is None else response_mask.to(torch.bool)
-    check_shape(valid, tuple(lead), "response_mask")
-    adv = per_token(advantages, lead, "advantages", logprobs.dtype).to(logprobs.device).reshape(lead)
-
-    with torch.no_grad():
-        log_ratio = (logprobs.detach() - sampled_logprobs.to(logprobs.dtype)).clamp(max=LOG_RATIO_MAX)
-        raw_w = log_ratio.exp()
-        w = raw_w.clamp(max=is_cap)
-        m = keep.to(torch.bool) & valid
-        coef = adv * w * m  # [N]
-    # where() rather than a product: a masked token may carry log π_a = −inf (truncated by replay).
-    selected = coef != 0
-    per_tok = -coef * torch.where(selected, logprobs, torch.zeros_like(logprobs))
-    loss = _AGGREGATIONS[aggregation](per_tok, valid, max_len)
+    t = token_loss(logprobs, sampled_logprobs, advantages, keep, is_cap=is_cap, response_mask=response_mask)
+    valid, w, raw_w, m, adv = t.response_mask, t.is_weight, t.is_weight_raw, t.kept, t.advantages
+    loss = aggregate(t.loss, valid, max_len)
+    if ref_logprobs is not None:
+        check_shape(ref_logprobs, tuple(logprobs.shape), "ref_logprobs")
+        kl, counted = ref_kl(logprobs, ref_logprobs, sampled_logprobs, valid, is_weight=kl_is_weight)
+        loss = loss + kl_coef * aggregate(kl, counted, max_len)
 
     with torch.no_grad():
         vf = valid.to(w.dtype)
@@ -93,6 +187,8 @@ def policy_loss(
             "is_weight_max": torch.where(valid, w, 0.0).max() if valid.any() else w.new_tensor(float("nan")),
             "is_weight_capped_frac": _mean((raw_w > is_cap).to(w.dtype), vf),
         }
+        if ref_logprobs is not None:
+            metrics["ref_kl"] = kl.detach().sum() / counted.sum().clamp_min(1)
         if masks is not None:
             a = adv.to(masks.divergence.dtype)
             ratio_away = a * masks.ratio_direction > 0

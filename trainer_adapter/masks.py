@@ -4,13 +4,16 @@ Three steps: the input checks (`_checked_inputs`), the chunked pass over the voc
 log π_a, D and P̂ per token (`_vocab_pass`: one [chunk_tokens, V] float tensor at a time, docs/math.md §8),
 and the method's proximity and direction tests (`DECISIONS`, one pure function per method). The
 per-token formulas live in `divergences`; π's temperature and truncation in `processed`.
+
+`compute_masks_for` reads the rollout side from a collated `Batch` (or a dict of its tensors);
+`sampled_masks.sampled_token_masks` decides with the same table from log π_a and log μ_a alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -19,6 +22,9 @@ from .config import MaskConfig
 from .inputs import check_ids, check_shape, per_token, response_mask_flat
 from .kernels import chunk_stats, use_compiled
 from .processed import VocabStats, Workspace, compute_dtype, truncation_active, validate_truncation
+
+if TYPE_CHECKING:
+    from .collate import Batch
 
 Tensor = torch.Tensor
 
@@ -352,3 +358,43 @@ def compute_masks(
         response_mask=x.valid,
     )
     return res.map(lambda t: t.reshape(sampled_ids.shape))
+
+
+def compute_masks_for(
+    batch: Batch | Mapping[str, Tensor],
+    logits: Tensor,  # [B, T, V] raw logits predicting the completion (batch.completion_logits_slice)
+    *,
+    config: MaskConfig | None = None,
+    vocab_stats: VocabStats | None = None,
+    top_k: int | None = None,  # a dict's truncation; a Batch carries its own
+    top_p: float | None = None,
+) -> MaskResult:
+    """compute_masks on a collated batch: completion_ids, sampled_logprobs, topk_ids, topk_logprobs,
+    advantages, temperature and response_mask read by name from a `Batch`, or from a dict with the same
+    keys (TRL's micro-batches: TRL shuffles and splits dicts of tensors), whose truncation is then given
+    as top_k / top_p. A Batch's own top_k / top_p are used; different ones given here are refused."""
+    if isinstance(batch, Mapping):
+        get = batch.__getitem__
+    else:
+        given = (top_k, top_p)
+        top_k, top_p = batch.top_k, batch.top_p
+        if given != (None, None) and given != (top_k, top_p):
+            raise ValueError(f"top_k, top_p = {given}, but the batch was collated with {(top_k, top_p)}")
+
+        def get(name: str) -> Tensor:
+            return getattr(batch, name)
+
+    return compute_masks(
+        logits,
+        get("completion_ids"),
+        get("sampled_logprobs"),
+        get("topk_ids"),
+        get("topk_logprobs"),
+        get("advantages"),
+        config=config,
+        temperature=get("temperature"),
+        top_k=top_k,
+        top_p=top_p,
+        response_mask=get("response_mask"),
+        vocab_stats=vocab_stats,
+    )
