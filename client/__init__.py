@@ -1,11 +1,12 @@
 """maskroll.client: the SDK a trainer uses to reach rollout replicas (gRPC) and the rollout queue (Redis).
 
 Owns `RolloutClient`, `RolloutQueue` and the rules a trainer keeps (admission, whole groups, staleness,
-runs). The contract it shares with the replicas — records, wire code, stream layout, connection policy —
-is `maskroll.proto`; its record types are re-exported here. It never imports torch or vllm: a trainer on
-any framework can use it. The gRPC client and the Redis queue are loaded on first access, so
-`from maskroll.client import RolloutRecord` needs neither grpc nor redis, and the queue needs no grpc
-until weights are broadcast.
+runs, the replica registry). The contract it shares with the replicas — records, wire code, stream
+layout, connection policy — is `maskroll.proto`; its record types are re-exported here. Moving weights
+onto the replicas is `maskroll.weight_sync` (it raises this package's `BroadcastError` and reports
+`ReplicaWeights`). It never imports torch or vllm: a trainer on any framework can use it. The gRPC
+client and the Redis queue are loaded on first access, so `from maskroll.client import RolloutRecord`
+needs neither grpc nor redis, and the queue never loads grpc.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ if TYPE_CHECKING:
     from maskroll.proto.redis_conn import QueueUnavailable
 
     from .admission import QueueFull
-    from .queue import AsyncRolloutQueue, QueueStats, QueueTimeout, RolloutQueue
+    from .queue import AsyncRolloutQueue, RolloutQueue
+    from .queue_state import QueueStats
+    from .reader import QueueTimeout
     from .replicas import BroadcastError, ReplicaInfo, ReplicaWeights
     from .rollout_client import RolloutClient, RolloutError, SyncRolloutClient
     from .runs import RunChoiceRequired, RunError, RunInfo, RunNotFound, RunSuperseded
@@ -38,8 +41,8 @@ _LAZY = {
     "RolloutError": "rollout_client",
     "RolloutQueue": "queue",
     "AsyncRolloutQueue": "queue",
-    "QueueStats": "queue",
-    "QueueTimeout": "queue",
+    "QueueStats": "queue_state",
+    "QueueTimeout": "reader",
     "QueueFull": "admission",
     "QueueUnavailable": "maskroll.proto.redis_conn",
     "ReplicaInfo": "replicas",

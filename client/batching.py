@@ -8,7 +8,9 @@ group that stays incomplete past a timeout is expired (`expire`), and a group on
 stays closed: its late records follow it instead of waiting for samples that will never come again.
 
 Pure state, no I/O: each method says which stream entries the caller must ack and delete
-(duplicates, dropped records); `AsyncRolloutQueue` makes those Redis calls and keeps the statistics.
+(duplicates, dropped records); the queue's reader (reader.py) makes those Redis calls and keeps the
+statistics. The staleness rule (`too_stale`) and the refusal rules (`refusal`) are here too: what a
+trainer must not train on, decided without I/O.
 """
 
 from __future__ import annotations
@@ -33,6 +35,19 @@ CLOSED_MEMORY = 100_000
 def group_key(rec: RolloutRecord) -> str:
     """The group a record belongs to: its job (pull mode), else its request (a Generate call)."""
     return rec.job_id or rec.request_id
+
+
+def staleness(records: Iterable[RolloutRecord], policy_version: int) -> int:
+    """Policy versions between the trainer's `policy_version` and the oldest first token of `records`
+    (one record, or a whole group)."""
+    return policy_version - min(rec.policy_version_first for rec in records)
+
+
+def too_stale(records: Iterable[RolloutRecord], policy_version: int, max_staleness: int | None) -> bool:
+    """The staleness rule: `records` are more than `max_staleness` versions behind the trainer's policy
+    (None: no bound). The queue applies it per record (stale_policy "drop"), the framework adapters'
+    rollout sources per group (maskroll.integrations.rollouts)."""
+    return max_staleness is not None and staleness(records, policy_version) > max_staleness
 
 
 @dataclass

@@ -21,6 +21,7 @@ import numpy as np
 from maskroll.proto import wire
 from maskroll.proto._generated import rollout_pb2 as pb
 from maskroll.proto._generated import rollout_pb2_grpc as pb_grpc
+from maskroll.proto.prompts import prompt_problem
 from maskroll.proto.records import (
     RecordAssembler,
     RolloutChunk,
@@ -30,7 +31,7 @@ from maskroll.proto.records import (
     WeightsUpdateResult,
 )
 
-from ._sync import LoopThread
+from ._sync import signature_of, sync_facade
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a record with arrays is ~8 bytes per token per K
 
@@ -56,16 +57,16 @@ def _checked(options: SamplingOptions) -> SamplingOptions:
 
 
 def _prompt_array(prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:  # -> int32 [P]
+    """The prompt as the wire carries it (int32 [P]). The prompt rule (`maskroll.proto.prompts`, without
+    the vocabulary and context the replica knows) is checked here, except for an empty prompt: the
+    replica answers that one itself (INVALID_ARGUMENT, in the same words) and counts it."""
     a = np.asarray(prompt_ids)
     if a.size == 0:
-        return np.zeros(0, np.int32)  # the server answers an empty prompt with INVALID_ARGUMENT
-    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-        raise RolloutError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"prompt_token_ids must be a 1-D integer array, got {a.dtype} {a.shape}",
-        )
+        return np.zeros(0, np.int32)
+    if problem := prompt_problem(a):
+        raise RolloutError(grpc.StatusCode.INVALID_ARGUMENT, problem)
     info = np.iinfo(np.int32)
-    if a.min() < info.min or a.max() > info.max:  # packing to int32 would wrap them into valid-looking ids
+    if a.max() > info.max:  # packing to int32 would wrap them into valid-looking ids
         raise RolloutError(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: ids must fit in int32")
     return a.astype(np.int32)
 
@@ -281,134 +282,49 @@ class RolloutClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
+@sync_facade(
+    RolloutClient,
+    methods=["generate_records", "generate_record", "update_weights", "info", "health"],
+    init_doc="See RolloutClient for what each argument means.",
+    thread_name="maskroll-rollout-client",
+)
 class SyncRolloutClient:
     """Blocking facade over RolloutClient for scripts: its own event loop on a daemon thread.
 
     Same arguments and methods; `generate` returns a plain iterator (closing it or breaking out of the
     loop cancels the call). Use as a context manager or call `close()`."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        token: str | None = None,
-        tls: bool = False,
-        root_certs: bytes | None = None,
-        tls_server_name: str | None = None,
-        timeout: float | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    ) -> None:
-        """See RolloutClient for what each argument means."""
-        self._loop_thread = LoopThread("maskroll-rollout-client")
-        self._loop = self._loop_thread.loop
-        self._client = RolloutClient(
-            target,
-            token=token,
-            tls=tls,
-            root_certs=root_certs,
-            tls_server_name=tls_server_name,
-            timeout=timeout,
-            max_message_bytes=max_message_bytes,
-        )
+    _core: RolloutClient
 
-    def _run(self, coro):
-        return self._loop_thread.run(coro)
-
-    def generate(
-        self,
-        prompt_ids: Sequence[int] | np.ndarray,
-        options: SamplingOptions | None = None,
-        *,
-        request_id: str = "",
-        job_id: str = "",
-        group_id: str = "",
-        metadata: dict[str, str] | None = None,
-        include_record_arrays: bool = False,
-        timeout: float | None = None,
-    ) -> Iterator[RolloutChunk]:
-        """RolloutClient.generate as a plain iterator; leaving the loop early cancels the call."""
-        kw = dict(
-            request_id=request_id,
-            job_id=job_id,
-            group_id=group_id,
-            metadata=metadata,
-            include_record_arrays=include_record_arrays,
-            timeout=timeout,
-        )
-
+    @signature_of(
+        RolloutClient.generate,
+        "RolloutClient.generate as a plain iterator; leaving the loop early cancels the call.",
+    )
+    def generate(self, *args, **kwargs) -> Iterator[RolloutChunk]:
         async def open_stream() -> ChunkStream:  # the call must be created on the client's loop
-            return self._client.generate(prompt_ids, options, **kw)
+            return self._core.generate(*args, **kwargs)
 
-        stream = self._run(open_stream())
-        return self._iterate(stream)
+        return self._iterate(self._loop.run(open_stream()))
 
     def _iterate(self, stream: ChunkStream) -> Iterator[RolloutChunk]:
+        loop = self._loop.loop
         try:
             while True:
                 try:
-                    chunk = self._run(stream.__anext__())
+                    chunk = self._loop.run(stream.__anext__())
                 except StopAsyncIteration:
                     return
                 yield chunk
         finally:
-            if not self._loop.is_closed():  # closing the client first already ended the call
-                self._loop.call_soon_threadsafe(stream.cancel)
-
-    def generate_records(
-        self,
-        prompt_ids: Sequence[int] | np.ndarray,
-        options: SamplingOptions | None = None,
-        *,
-        request_id: str = "",
-        job_id: str = "",
-        group_id: str = "",
-        metadata: dict[str, str] | None = None,
-        timeout: float | None = None,
-    ) -> list[RolloutRecord]:
-        """All n samples' records, ordered by sample index."""
-        kw = dict(request_id=request_id, job_id=job_id, group_id=group_id, metadata=metadata, timeout=timeout)
-        return self._run(self._client.generate_records(prompt_ids, options, **kw))
-
-    def generate_record(
-        self,
-        prompt_ids: Sequence[int] | np.ndarray,
-        options: SamplingOptions | None = None,
-        *,
-        request_id: str = "",
-        job_id: str = "",
-        group_id: str = "",
-        metadata: dict[str, str] | None = None,
-        timeout: float | None = None,
-    ) -> RolloutRecord:
-        """The one record of an n=1 request."""
-        kw = dict(request_id=request_id, job_id=job_id, group_id=group_id, metadata=metadata, timeout=timeout)
-        return self._run(self._client.generate_record(prompt_ids, options, **kw))
-
-    def update_weights(
-        self,
-        version: int,
-        checkpoint_dir: str | os.PathLike,
-        *,
-        timeout: float | None = None,
-        run_id: str = "",
-    ) -> WeightsUpdateResult:
-        """See RolloutClient.update_weights."""
-        return self._run(self._client.update_weights(version, checkpoint_dir, timeout=timeout, run_id=run_id))
-
-    def info(self, *, timeout: float | None = None) -> ServerInfo:
-        """See RolloutClient.info."""
-        return self._run(self._client.info(timeout=timeout))
-
-    def health(self, service: str = "", *, timeout: float | None = None) -> str:
-        """See RolloutClient.health."""
-        return self._run(self._client.health(service, timeout=timeout))
+            if not loop.is_closed():  # closing the client first already ended the call
+                loop.call_soon_threadsafe(stream.cancel)
 
     def close(self) -> None:
         """Close the client and its event loop thread."""
-        if self._loop.is_closed():
+        if self._loop.loop.is_closed():
             return
-        self._run(self._client.close())
-        self._loop_thread.close()
+        self._loop.run(self._core.close())
+        self._loop.close()
 
     def __enter__(self) -> SyncRolloutClient:
         return self

@@ -1,17 +1,19 @@
 """Where a framework adapter's rollouts come from: the Redis queue (pull-mode replicas) or direct gRPC.
 
 Both sources speak in *jobs* (one prompt, `n` samples, the framework's rows that go with it) and
-*groups* (a job's finished records, ordered by sample index), and share one admission rule: at most
-(max_staleness + 1) × batch_size rollouts in flight, so a trainer that submits ahead of its optimiser
-steps never runs further ahead than the staleness bound allows. A group older than `max_staleness`
-policy versions when it is taken is not trained on: it is confirmed (acked) and its prompt submitted
-again, so no prompt is lost and none is trained stale.
+*groups* (a job's finished records, ordered by sample index), and share the queue's admission rule
+(`maskroll.client.admission.in_flight_limit`: at most (max_staleness + 1) × batch_size rollouts in
+flight), so a trainer that submits ahead of its optimiser steps never runs further ahead than the
+staleness bound allows. A group the queue's staleness rule (`maskroll.client.batching.too_stale`)
+refuses when it is taken is not trained on: it is confirmed (acked) and its prompt submitted again, so
+no prompt is lost and none is trained stale.
 
 - `QueueSource`: `RolloutQueue` submit / next_batch / ack; replicas pull jobs, any number of them.
 - `GrpcSource`: no Redis — each job is one `Generate` call to a replica (round robin), on a thread pool.
 
-Knows nothing of TRL or verl: `integrations/trl.py` drives it. Weight broadcast for `CheckpointPublisher`
-is `source.broadcaster` (the queue itself, or a gRPC fan-out over the fixed addresses).
+Knows nothing of TRL or verl: `integrations/trl.py` drives it. What a weight publisher publishes through
+is `source.broadcaster`: the queue itself, or (no queue) a fleet of the fixed addresses — UpdateWeights
+on each, and the policy version, which then has no run to live in.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from maskroll.client import QueueTimeout, RolloutQueue, RolloutRecord, SamplingOptions, SyncRolloutClient
+from maskroll.client.admission import in_flight_limit
+from maskroll.client.batching import too_stale
 from maskroll.client.runs import RunMode
 
 log = logging.getLogger("maskroll.integrations")
@@ -69,11 +73,6 @@ def _groups(records: Sequence[RolloutRecord]) -> list[Group]:
     return [sorted(g, key=lambda r: r.sample_index) for g in by_job.values()]
 
 
-def staleness(group: Group, version: int) -> int:
-    """Versions between the trainer's policy and the oldest token of the group."""
-    return version - min(r.policy_version_first for r in group)
-
-
 class _Source:
     """What both sources share: the job ledger, admission, the staleness rule."""
 
@@ -86,7 +85,8 @@ class _Source:
 
     @property
     def limit(self) -> int:
-        return (self.max_staleness + 1) * self.batch_size
+        """Rollouts in flight at most: the queue's admission rule."""
+        return in_flight_limit(self.batch_size, self.max_staleness)
 
     def _options(self, job: Job) -> SamplingOptions:
         return replace(self.options, n=job.n)
@@ -108,7 +108,7 @@ class _Source:
                 self.stats.foreign_dropped += len(group)
                 self._confirm(group)
                 continue
-            if staleness(group, version) > self.max_staleness:
+            if too_stale(group, version, self.max_staleness):
                 # Confirm the stale copy first: that frees the room the resubmitted job takes.
                 self._confirm(group)
                 del self.jobs[job.job_id]
@@ -233,12 +233,17 @@ class QueueSource(_Source):
 
 
 class _GrpcBroadcaster:
-    """UpdateWeights on a fixed list of replicas, in the shape CheckpointPublisher expects."""
+    """A fixed list of replicas as a weight publisher's fleet (`maskroll.weight_sync.publish.Fleet`):
+    UpdateWeights on each, and the policy version. With no queue there is no run to hold the version,
+    so this object owns it: it starts where the caller says (the replicas' own, GrpcSource's
+    replica_version) and each broadcast advances it."""
 
     def __init__(self, clients: dict[str, SyncRolloutClient]) -> None:
         self.clients = clients
+        self.version = 0
 
     def broadcast_weights(self, version: int, checkpoint_dir: str, timeout: float = 120.0) -> dict[str, str]:
+        self.version = int(version)
         results = {}
         for address, c in self.clients.items():
             try:

@@ -14,8 +14,8 @@ What changes under TRL's training loop:
   TRL's reward functions, reward weights and advantage scaling run on them unchanged.
 - **Loss**: `compute_loss` is maskroll's `token_logprobs` → `compute_masks` → `policy_loss` on the
   records (temperature and replayed truncation as collate carries them), aggregated as TRL's
-  `loss_type` says; TRL's `beta` KL-to-reference term is added the TRL way. Mask, divergence,
-  mismatch and IS-weight metrics land in TRL's logs as `maskroll/*`.
+  `loss_type` says; TRL's `beta` KL-to-reference term is policy_loss's (`ref_logprobs`, `kl_coef`).
+  Mask, divergence, mismatch and IS-weight metrics land in TRL's logs as `maskroll/*`, the KL as `kl`.
 - **Weights**: after every `publish_every` optimiser steps the policy reaches every live replica as the
   next version: streamed over gRPC (`StreamPublisher`, the default with a queue: no shared filesystem)
   or written under the replicas' `--weights-root` for them to load (`CheckpointPublisher`).
@@ -34,24 +34,24 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from maskroll.client import SamplingOptions
+from maskroll.client.batching import staleness
 from maskroll.client.runs import RunMode
 from maskroll.trainer_adapter import (
     MaskConfig,
     MaskResult,
     collate,
-    compute_masks,
+    compute_masks_for,
     direction_agreement,
     policy_loss,
     token_logprobs,
 )
-from maskroll.weight_sync import CheckpointPublisher, StreamPublisher
+from maskroll.weight_sync import Publisher, make_publisher
 
 from .rollouts import GrpcSource, Job, QueueSource, _Source
 
@@ -262,17 +262,6 @@ def trl_advantages(
     return torch.nan_to_num(adv, nan=0.0), rewards, torch.isclose(std, torch.zeros_like(std))
 
 
-def _aggregate(per_tok: Tensor, valid: Tensor, aggregation: str, max_len: int) -> Tensor:  # [B, T] -> []
-    """policy_loss's aggregations, for the KL term (the same normalisation as the policy term)."""
-    per_tok = torch.where(valid, per_tok, 0.0)
-    if aggregation == "token_mean":
-        return per_tok.sum() / valid.sum().clamp_min(1)
-    n_tok = valid.sum(-1)  # [B]
-    denom = float(max_len) if aggregation == "seq_mean_token_sum_norm" else n_tok.clamp_min(1)
-    has = n_tok > 0
-    return ((per_tok.sum(-1) / denom) * has).sum() / has.sum().clamp_min(1)
-
-
 def maskroll_loss(
     logits: Tensor,  # [B, T, V] logits that predict completion_ids, with grad
     batch: dict[str, Tensor],  # the collated records (MaskrollGRPOTrainer's generation output)
@@ -287,24 +276,13 @@ def maskroll_loss(
     bias_correction_kl: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor], MaskResult]:
     """Scalar loss, detached metrics and the masks: `policy_loss` (docs/math.md §5) on
-    `compute_masks` (§3–§4), plus TRL's k3 KL to the reference (`batch["ref_logprobs"]`) times `beta`."""
-    ids, valid = batch["completion_ids"], batch["response_mask"].bool()  # [B, T], [B, T]
+    `compute_masks` (§3–§4), with TRL's β · k3 KL to the reference (`batch["ref_logprobs"]`) as its KL
+    term: TRL's use_bias_correction_kl weights it by π_a/μ_a, μ (the rollout) as the old policy."""
     temp = batch["temperature"]  # [B]
-    lp, stats = token_logprobs(logits, ids, temperature=temp, top_k=top_k, top_p=top_p, return_stats=True)
-    res = compute_masks(
-        logits.detach(),
-        ids,
-        batch["sampled_logprobs"],
-        batch["topk_ids"],
-        batch["topk_logprobs"],
-        batch["advantages"],
-        config=mask,
-        temperature=temp,
-        top_k=top_k,
-        top_p=top_p,
-        response_mask=valid,
-        vocab_stats=stats,
-    )
+    lp, stats = token_logprobs(
+        logits, batch["completion_ids"], temperature=temp, top_k=top_k, top_p=top_p, return_stats=True
+    )  # [B, T]
+    res = compute_masks_for(batch, logits.detach(), config=mask, top_k=top_k, top_p=top_p, vocab_stats=stats)
     loss, metrics = policy_loss(
         lp,
         batch["sampled_logprobs"],
@@ -314,15 +292,10 @@ def maskroll_loss(
         aggregation=aggregation,
         max_len=max_len,
         masks=res,
+        ref_logprobs=batch["ref_logprobs"] if beta != 0.0 else None,
+        kl_coef=beta,
+        kl_is_weight=bias_correction_kl,
     )
-    if beta != 0.0:
-        d = batch["ref_logprobs"] - lp  # [B, T]
-        kl = torch.exp(d) - d - 1  # TRL's k3 estimator of KL(π ‖ π_ref)
-        if bias_correction_kl:  # TRL's use_bias_correction_kl, with μ (the rollout) as the old policy
-            kl = kl * torch.exp(lp - batch["sampled_logprobs"])
-        ok = valid & torch.isfinite(kl)  # replayed truncation may leave −inf at masked positions
-        loss = loss + beta * _aggregate(torch.where(ok, kl, 0.0), ok, aggregation, max_len)
-        metrics["kl"] = (torch.where(ok, kl, 0.0).sum() / ok.sum().clamp_min(1)).detach()
     return loss, metrics, res
 
 
@@ -459,13 +432,12 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             logprobs_k=maskroll.logprobs_k,
         )
         self._source: _Source | None = None
-        self._publisher: StreamPublisher | CheckpointPublisher | None = None  # made with the source
+        self._publisher: Publisher | None = None  # made with the source; owns the policy version
         self._run_taken = False
         # Counts for reports (rollouts unless named): trained, confirmed, completion tokens, the
         # rollout source's stale resubmissions and foreign drops; replicas of the last batch.
         self.rollout_counts = {"received": 0, "acked": 0, "tokens": 0, "stale_resubmitted": 0, "foreign": 0}
         self.last_replicas: dict[str, int] = {}
-        self._version = 0  # policy versions published (the replicas start at 0)
         self._unacked: list[list] = []  # per generation batch: the groups its micro-steps train on
         self._diagnose: tuple[dict, MaskResult] | None = None
         self._lookahead = _Lookahead(
@@ -477,8 +449,9 @@ class MaskrollGRPOTrainer(GRPOTrainer):
 
     @property
     def policy_version(self) -> int:
-        """The policy version the replicas serve: the run's, + 1 per publish."""
-        return self._version
+        """The policy version the replicas serve: the publisher's (the queue's run's, + 1 per publish;
+        without a queue, the replicas' own at the start); 0 before the source is first opened."""
+        return 0 if self._publisher is None else self._publisher.version
 
     # ---- the rollout source's lifetime ----------------------------------------------------------
 
@@ -501,18 +474,19 @@ class MaskrollGRPOTrainer(GRPOTrainer):
                 )
                 self._run_taken = True
                 source.wait_for_replicas(cfg.min_replicas)
-                if cfg.weight_transport == "stream":
-                    self._publisher = StreamPublisher(source.queue, save_root=cfg.weights_root, keep=2)
-                else:
-                    self._publisher = CheckpointPublisher(source.queue, Path(cfg.weights_root), keep=2)
+                self._publisher = make_publisher(
+                    cfg.weight_transport, source.broadcaster, root=cfg.weights_root, keep=2
+                )
                 # The run's version on trainer and replicas: a resumed run loads its latest weights
                 # into the model; a new one publishes the model as version 0 to replicas serving others.
-                self._version = self._publisher.start(self.accelerator.unwrap_model(self.model))
+                self._publisher.start(self.accelerator.unwrap_model(self.model))
             else:
                 source = GrpcSource(list(cfg.replicas), **common)
-                self._publisher = CheckpointPublisher(source.broadcaster, Path(cfg.weights_root), keep=2)
                 # No run in Redis: versions only grow on a replica, so continue from where they are.
-                self._version = max(self._version, source.replica_version())
+                source.broadcaster.version = max(self.policy_version, source.replica_version())
+                self._publisher = make_publisher(
+                    "directory", source.broadcaster, root=cfg.weights_root, keep=2
+                )
             self._source = source
         return self._source
 
@@ -574,7 +548,7 @@ class MaskrollGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         source = self._open_source()
         if mode == "train":
-            taken = source.take(len(inputs), self._version)
+            taken = source.take(len(inputs), self.policy_version)
             self._unacked.append([g for g, _ in taken])
             records = [r for g, _ in taken for r in g]
             self.rollout_counts["received"] += len(records)
@@ -668,9 +642,9 @@ class MaskrollGRPOTrainer(GRPOTrainer):
         m["reward_std"].append(nanstd(rewards).item())
         m["frac_reward_zero_std"].append(std_zero.float().mean().item())
         if mode == "train":
-            stale = [float(self._version - r.policy_version_first) for r in records]
+            stale = [float(staleness([r], self.policy_version)) for r in records]
             m["maskroll/staleness"].append(float(np.mean(stale)))
-            m["maskroll/policy_version"].append(float(self._version))
+            m["maskroll/policy_version"].append(float(self.policy_version))
             m["maskroll/stale_resubmitted"].append(float(self._source.stats.stale_resubmitted))
         self._logs["prompt"].extend(prompts)
         self._logs["completion"].extend(completions)
@@ -708,7 +682,7 @@ class MaskrollGRPOTrainer(GRPOTrainer):
         else:
             loss = loss / accumulation
         for name, value in metrics.items():
-            key = name if name == "kl" else f"maskroll/{name}"
+            key = "kl" if name == "ref_kl" else f"maskroll/{name}"  # TRL logs its KL term as "kl"
             self._metrics[mode][key].append(float(value))
         if mode == "train" and self.maskroll.direction_diagnostics:
             self._diagnose = ({k: v.detach() for k, v in inputs.items()}, res)
@@ -727,23 +701,13 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             self._log_direction_agreement(*self._diagnose)
             self._diagnose = None
         if self.state.global_step % self.maskroll.publish_every == 0:
-            self._publisher.publish(self.accelerator.unwrap_model(self.model), self._version + 1)
-            self._version += 1
+            self._publisher.publish(self.accelerator.unwrap_model(self.model))  # the next version
 
     @torch.no_grad()
     def _log_direction_agreement(self, batch: dict[str, Tensor], before: MaskResult) -> None:
-        after = compute_masks(
-            completion_logits(self.model, batch),
-            batch["completion_ids"],
-            batch["sampled_logprobs"],
-            batch["topk_ids"],
-            batch["topk_logprobs"],
-            batch["advantages"],
-            config=self.maskroll.mask,
-            temperature=batch["temperature"],
-            top_k=self._top_k,
-            top_p=self._top_p,
-            response_mask=before.response_mask,
+        logits = completion_logits(self.model, batch)
+        after = compute_masks_for(
+            batch, logits, config=self.maskroll.mask, top_k=self._top_k, top_p=self._top_p
         )
         adv = batch["advantages"][:, None].expand_as(before.divergence).double()
         agree = direction_agreement(

@@ -1,15 +1,18 @@
 """maskroll.weight_sync: trainer-side weight publishing — getting a new policy onto every live replica.
 
-Two transports, one run semantics: `StreamPublisher` (`stream.py`, the default of `maskroll demo` and
-the deployment) pushes each version's tensors to every replica over gRPC (PushWeights: no shared
-filesystem); `CheckpointPublisher` (`publish.py`) writes it in the checkpoint layout (`checkpoint.py`)
-under the replicas' `--weights-root` (a shared volume) and announces it (UpdateWeights). The NCCL
-transport through vLLM's weight-transfer engine is `collective.py` (GPUs only). The
-publisher knows the training run (through `maskroll.client.RolloutQueue`): a restarted trainer resumes
-at the run's last version, from its checkpoint.
+One `Publisher` protocol (start / publish / version / close) and one factory, `make_publisher(transport,
+queue, ...)` (factory.py), over three transports with one run semantics: "stream" (`StreamPublisher`,
+`stream.py`, the default of `maskroll demo` and the deployment) pushes each version's tensors to every
+replica over gRPC (PushWeights: no shared filesystem); "directory" (`CheckpointPublisher`,
+`publish.py`) writes it in the checkpoint layout (`checkpoint.py`) under the replicas' `--weights-root`
+(a shared volume) and announces it (UpdateWeights); "collective" (`CollectivePublisher`,
+`collective.py`, GPUs only) sends it over NCCL through vLLM's weight-transfer engine. The calls to the
+replicas themselves — broadcast, push, sync, what each serves — are `broadcast.py`, which takes a
+`maskroll.client.RolloutQueue` for its replica registry, run and policy version: a restarted trainer
+resumes at the run's last version, from its checkpoint.
 
-May import torch, safetensors and `maskroll.client` (the queue's replica registry and the gRPC
-`UpdateWeights` call); never `maskroll.server`. Importing the package itself loads none of them.
+May import torch, safetensors and `maskroll.client` (the queue's replica registry, run and the gRPC
+client); never `maskroll.server`. Importing the package itself loads none of them.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .broadcast import broadcast_weights, push_weights, replica_weights, sync_replicas
     from .checkpoint import CHECKPOINT_FILE, checkpoint_dir, load_checkpoint, save_checkpoint
+    from .collective import CollectivePublisher
+    from .factory import Publisher, Transport, make_publisher
     from .publish import CheckpointPublisher, WeightSyncError
     from .stream import StreamPublisher
 
@@ -29,16 +35,32 @@ _LAZY = {
     "CheckpointPublisher": "publish",
     "WeightSyncError": "publish",
     "StreamPublisher": "stream",
+    "CollectivePublisher": "collective",
+    "Publisher": "factory",
+    "Transport": "factory",
+    "make_publisher": "factory",
+    "broadcast_weights": "broadcast",
+    "push_weights": "broadcast",
+    "replica_weights": "broadcast",
+    "sync_replicas": "broadcast",
 }
 
 __all__ = [
     "CHECKPOINT_FILE",
     "CheckpointPublisher",
+    "CollectivePublisher",
+    "Publisher",
     "StreamPublisher",
+    "Transport",
     "WeightSyncError",
+    "broadcast_weights",
     "checkpoint_dir",
     "load_checkpoint",
+    "make_publisher",
+    "push_weights",
+    "replica_weights",
     "save_checkpoint",
+    "sync_replicas",
 ]
 
 

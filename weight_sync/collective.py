@@ -5,7 +5,7 @@ rank_offset 1 + i * tensor_parallel_size). vLLM's trainer-side engine (`NCCLTrai
 does the rendezvous and the packed broadcast; it drives the inference side through a
 `VLLMWeightSyncClient`, which here is maskroll's control RPC: `UpdateWeights` with a
 `CollectiveSource` (init: join the group; otherwise: receive the listed tensors), sent to every replica
-in parallel (`maskroll.client.replicas.collective_update`). Each replica pauses, receives into its live
+in parallel (`broadcast.collective_update`). Each replica pauses, receives into its live
 model (vLLM's layerwise reload: no second copy of the weights), relabels its version and resumes, as
 for the other transports (server/weights/sources.py).
 
@@ -29,9 +29,9 @@ from collections.abc import Sequence
 import torch
 
 from maskroll.client import ReplicaInfo
-from maskroll.client.replicas import collective_update
 from maskroll.proto.tensor_push import CollectiveSpec, TensorSpec
 
+from .broadcast import collective_update
 from .publish import WeightSyncError, checked, next_version
 
 COLLECTIVE_RECORD = "collective"  # the run record's `checkpoint` for a version sent over NCCL
@@ -116,12 +116,14 @@ class CollectivePublisher:
     """Publish versions of `model` (on CUDA) to every live replica of `queue` over NCCL.
 
     pub = CollectivePublisher(q, model, master_address="10.0.0.5", master_port=29600)
-    pub.connect()            # the rendezvous: every live replica joins the group
+    pub.start(model)         # the rendezvous (connect): every live replica joins the group
     for step in ...:
         ...                  # an optimiser step
-        pub.publish()        # version + 1: recorded in the run, broadcast from rank 0
+        pub.publish(model)   # version + 1: recorded in the run, broadcast from rank 0
 
-    `queue` is a `maskroll.client.RolloutQueue` (its run record, policy version and replica registry).
+    `queue` is a `maskroll.client.RolloutQueue` (its run record, policy version, replica registry and
+    the replicas' credentials). The model is the one given here: NCCL sends its parameters in place,
+    so start() and publish() take only that one (the Publisher protocol's argument).
     """
 
     def __init__(
@@ -143,8 +145,26 @@ class CollectivePublisher:
 
     @property
     def version(self) -> int:
-        """The last version published: the run's (recorded in Redis, so it survives a restart)."""
-        return self.queue.run.version
+        """The last version published: the queue's policy version (its run's, recorded in Redis)."""
+        return self.queue.policy_version
+
+    def start(self, model: torch.nn.Module | None = None) -> int:
+        """Form the group with the live replicas (connect()); returns the run's current version. A
+        replica that starts later is not in the group (see the module docstring)."""
+        self._own(model)
+        self.connect()
+        return self.version
+
+    def close(self) -> None:
+        """Nothing to release: the NCCL group lives as long as the process."""
+
+    def _own(self, model: object) -> None:
+        if isinstance(model, int):
+            raise TypeError(
+                "publish(model, version): the version is the second argument (publish(version=v))"
+            )
+        if model is not None and model is not self.model:
+            raise ValueError("CollectivePublisher sends the model it was made with (NCCL reads it in place)")
 
     def connect(self) -> list[str]:
         """Form the group with the live replicas; returns their ids."""
@@ -162,7 +182,7 @@ class CollectivePublisher:
             tensor_parallel_size=self.tp,
             run_id=self.queue.run.run_id,
             timeout=self.timeout,
-            token=getattr(self.queue, "token", None),
+            **self.queue.replica_auth,
         )
         info = NCCLTrainerInitInfo(
             master_address=self.master_address,
@@ -175,13 +195,15 @@ class CollectivePublisher:
         )
         return [r.replica_id for r in replicas]
 
-    def publish(self, version: int | None = None) -> dict[str, str]:
+    def publish(self, model: torch.nn.Module | None = None, version: int | None = None) -> dict[str, str]:
         """Broadcast the model's parameters as `version` (default: the last + 1); {replica_id: "ok"}.
+        `model`: the publisher's own (None means the same).
         Raises ValueError (nothing sent, nothing recorded) on a version that does not move the run
         forward or a non-finite value; WeightSyncError if a replica of the group failed (the group is
         then unusable: connect() again)."""
+        self._own(model)
         if self._engine is None or self.client is None:
-            raise RuntimeError("connect() first")
+            raise RuntimeError("connect() (or start()) first")
         version = next_version(self.version, version)
         for name, p in self.model.named_parameters():
             if p.is_floating_point() and not bool(torch.isfinite(p).all()):

@@ -1,16 +1,23 @@
 """CheckpointPublisher: after an optimiser step, write the new policy and make every live replica load it.
 
-One call per version: save the checkpoint (`checkpoint.py` layout), then the queue's `broadcast_weights`
-records the version as the run's latest in Redis, makes it the trainer's policy version (so staleness
-is counted against it, and newer records are refused) and calls `UpdateWeights(version, run id)` on
-every live replica in parallel, a timeout each; finally old versions are pruned. A replica that refuses
-or times out is reported by id; by default any failure raises, because a replica left on old weights
-keeps producing records the trainer would count as stale — or worse, train on as if they were fresh.
+One call per version: save the checkpoint (`checkpoint.py` layout), then `broadcast_weights`
+(broadcast.py) records the version as the run's latest in Redis, makes it the trainer's policy version
+(so staleness is counted against it, and newer records are refused) and calls `UpdateWeights(version,
+run id)` on every live replica in parallel, a timeout each; finally old versions are pruned. A
+replica that refuses or times out is reported by id; by default any failure raises, because a replica
+left on old weights keeps producing records the trainer would count as stale — or worse, train on as
+if they were fresh.
 
 Before the loop, `start(model)` puts trainer and replicas on the run's current version: a resumed run
 loads its latest checkpoint into the model and brings every replica to it; a new run publishes the
 model as version 0 when some replica serves other weights (a previous run's), so that no replica ever
 samples for this run from weights the run does not have.
+
+The publisher sends through a `Fleet`: the live replicas of a `RolloutQueue`'s run (`QueueFleet`, the
+usual case), or a fixed list of replicas with no queue (maskroll.integrations.rollouts). The fleet owns
+the version the publisher advances — for a queue, the queue's policy version (its run's).
+The rules every publisher shares (the next version, per-replica results, a new run's starting
+weights) are here too.
 """
 
 from __future__ import annotations
@@ -20,13 +27,17 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from maskroll.client import BroadcastError, ReplicaWeights
 
+from . import broadcast
 from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+
+if TYPE_CHECKING:
+    from maskroll.client import RolloutQueue, RunInfo
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +83,48 @@ class WeightSyncError(BroadcastError):
         self.args = (f"policy version {version} was not loaded by every replica ({detail})",)
 
 
-class _Broadcaster(Protocol):  # RolloutQueue (sync) has this method; publish() needs only it
+class Fleet(Protocol):
+    """What CheckpointPublisher.publish needs: the version it advances (the last published; its one
+    owner) and a broadcast that publishes the next one. start() needs a queue's run too (QueueFleet)."""
+
+    @property
+    def version(self) -> int: ...
+
     def broadcast_weights(
         self, version: int, checkpoint_dir: str, timeout: float = ...
     ) -> dict[str, str]: ...
+
+
+class QueueFleet:
+    """The live replicas of a RolloutQueue's run, as a Fleet: weight_sync.broadcast on the queue. Its
+    version is the queue's policy version (the run's)."""
+
+    def __init__(self, queue: RolloutQueue) -> None:
+        self.queue = queue
+
+    @property
+    def version(self) -> int:
+        return self.queue.policy_version
+
+    @property
+    def run(self) -> RunInfo:
+        return self.queue.run
+
+    def broadcast_weights(self, version: int, checkpoint_dir: str, timeout: float = 120.0) -> dict[str, str]:
+        return broadcast.broadcast_weights(self.queue, version, checkpoint_dir, timeout)
+
+    def replica_weights(self, timeout: float = 10.0) -> dict[str, ReplicaWeights | str]:
+        return broadcast.replica_weights(self.queue, timeout)
+
+    def sync_replicas(self, timeout: float = 120.0) -> dict[str, str]:
+        return broadcast.sync_replicas(self.queue, timeout)
+
+
+def fleet_of(queue: RolloutQueue | Fleet) -> Fleet:
+    """A RolloutQueue's QueueFleet; anything else is taken to be a Fleet already."""
+    from maskroll.client import RolloutQueue
+
+    return QueueFleet(queue) if isinstance(queue, RolloutQueue) else queue
 
 
 class CheckpointPublisher:
@@ -89,8 +138,8 @@ class CheckpointPublisher:
             pub.publish(model)                # version + 1: saved, recorded, loaded by every replica
 
     Args:
-        queue: a `maskroll.client.RolloutQueue` (its run, replica registry and gRPC broadcast are used);
-            `publish` alone works with anything that has `broadcast_weights`.
+        queue: a `maskroll.client.RolloutQueue` (its run, replica registry and policy version are used);
+            `publish` alone works with any `Fleet` (a version and `broadcast_weights`).
         root: the directory the replicas were started with as `--weights-root` (a shared volume).
         keep: how many newest versions stay on disk (a replica still loading one must find it).
         timeout: seconds each replica may take to load a version.
@@ -100,7 +149,7 @@ class CheckpointPublisher:
 
     def __init__(
         self,
-        queue: _Broadcaster,
+        queue: RolloutQueue | Fleet,
         root: str | os.PathLike,
         *,
         keep: int = 2,
@@ -111,14 +160,14 @@ class CheckpointPublisher:
             raise ValueError(f"keep must be >= 1, got {keep}")
         # absolute: UpdateWeights resolves a relative path against the replica's weights root, not our cwd
         self.queue, self.root = queue, Path(root).absolute()
+        self.fleet = fleet_of(queue)
         self.keep, self.timeout, self.require_all = keep, timeout, require_all
-        self._version = 0  # without a run to ask: the last version this publisher published
 
     @property
     def version(self) -> int:
-        """The last version published: the run's (recorded in Redis, so it survives a restart)."""
-        run = getattr(self.queue, "run", None)
-        return run.version if run is not None else self._version
+        """The last version published: the fleet's — a queue's run's (recorded in Redis, so it survives
+        a restart)."""
+        return self.fleet.version
 
     def start(self, model: torch.nn.Module) -> int:
         """Put the trainer and every live replica on the run's current version; returns that version.
@@ -128,16 +177,17 @@ class CheckpointPublisher:
         run at version 0 publishes `model` as version 0 if some replica serves other weights (another
         run's); replicas still on their starting weights are taken to hold what `model` starts from —
         start them with the same `--model`. Raises WeightSyncError as `publish` does."""
-        run = getattr(self.queue, "run", None)
-        if run is None or not hasattr(self.queue, "replica_weights"):
+        fleet = self.fleet
+        run = getattr(fleet, "run", None)
+        if run is None or not hasattr(fleet, "replica_weights"):
             raise TypeError("start() needs a maskroll.client.RolloutQueue: it reads the run and the replicas")
         if run.version > 0:
             own = checkpoint_dir(self.root, run.version)
             load_checkpoint(model, own if own.exists() or not run.checkpoint else run.checkpoint)
             log.info("resumed run %s at version %d from %s", run.run_id, run.version, run.checkpoint or own)
-            self._checked(run.version, lambda: self.queue.sync_replicas(timeout=self.timeout))
+            self._checked(run.version, lambda: fleet.sync_replicas(timeout=self.timeout))
             return run.version
-        other = on_other_weights(self.queue.replica_weights(), run.run_id)
+        other = on_other_weights(fleet.replica_weights(), run.run_id)
         if other:
             log.info("run %s starts at version 0; replicas serving other weights: %s", run.run_id, other)
             results = self.publish(model, 0)
@@ -153,9 +203,8 @@ class CheckpointPublisher:
         version = next_version(self.version, version)
         path = save_checkpoint(model, self.root, version)
         results = self._checked(
-            version, lambda: self.queue.broadcast_weights(version, str(path), timeout=self.timeout)
+            version, lambda: self.fleet.broadcast_weights(version, str(path), timeout=self.timeout)
         )
-        self._version = version
         self._prune(version)
         return results
 
@@ -166,7 +215,7 @@ class CheckpointPublisher:
     def _checked(self, version: int, broadcast) -> dict[str, str]:
         try:
             results = broadcast()
-        except BroadcastError as e:  # the queue raises when no live replica loaded it
+        except BroadcastError as e:  # raised when no live replica loaded it
             raise WeightSyncError(version, e.failed, e.results) from e
         return checked(version, results, self.require_all)
 

@@ -4,7 +4,7 @@ shared filesystem between the trainer and the replicas.
 One call per version: the model's state dict is snapshotted to CPU (the trainer keeps this one copy:
 it is what a replica that joins or restarts later is sent), described by a manifest (names, safetensors
 dtypes, shapes, sizes, a CRC-32 per tensor) and streamed to every live replica in parallel in chunks of
-`chunk_bytes`, a timeout each (`RolloutQueue.push_weights`). The run record in Redis gets the version
+`chunk_bytes`, a timeout each (`broadcast.push_weights`). The run record in Redis gets the version
 with `checkpoint = "stream"`: a replica that starts while the run is at version v > 0 registers and
 waits (server/app.py `join_current_version`); the publisher's follower thread sees it serving other
 weights within `follow_s` and pushes it the current version. With `save_root`, each version is also
@@ -29,6 +29,7 @@ import torch
 from maskroll.client import BroadcastError
 from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES, TensorSpec, WeightsManifest
 
+from . import broadcast
 from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from .publish import WeightSyncError, checked, next_version, on_other_weights
 
@@ -108,7 +109,7 @@ class StreamPublisher:
         pub.close()                   # stops the follower thread
 
     Args:
-        queue: a `maskroll.client.RolloutQueue` (its run, replica registry and PushWeights are used).
+        queue: a `maskroll.client.RolloutQueue` (its run, policy version and replica registry are used).
         save_root: also write each version to `<save_root>/v<version>` (the trainer's local disk), for
             resuming the run after a trainer restart; None keeps no file.
         keep: versions kept under save_root.
@@ -139,7 +140,6 @@ class StreamPublisher:
         self.chunk_bytes = chunk_bytes
         self._tensors: dict[str, torch.Tensor] | None = None  # the last published version's snapshot
         self._manifest: WeightsManifest | None = None
-        self._version = 0
         self._lock = threading.Lock()  # one push at a time: publish vs the follower's catch-up
         self._stop = threading.Event()
         self._follower: threading.Thread | None = None
@@ -153,8 +153,8 @@ class StreamPublisher:
 
     @property
     def version(self) -> int:
-        run = getattr(self.queue, "run", None)
-        return run.version if run is not None else self._version
+        """The last version published: the queue's policy version (its run's, recorded in Redis)."""
+        return self.queue.policy_version
 
     def start(self, model: torch.nn.Module) -> int:
         """Put the trainer and every live replica on the run's current version; returns it. A resumed
@@ -179,7 +179,7 @@ class StreamPublisher:
             self._remember(snapshot(model), run.version)
             self.catch_up()
             return run.version
-        other = on_other_weights(self.queue.replica_weights(), run.run_id)
+        other = on_other_weights(broadcast.replica_weights(self.queue), run.run_id)
         if other:
             log.info("run %s starts at version 0; replicas serving other weights: %s", run.run_id, other)
             self.publish(model, 0)
@@ -199,12 +199,16 @@ class StreamPublisher:
         with self._lock:
             self._remember(tensors, version)
             try:
-                results = self.queue.push_weights(
-                    version, self._manifest, self._chunks, timeout=self.timeout, record=STREAM_RECORD
+                results = broadcast.push_weights(
+                    self.queue,
+                    version,
+                    self._manifest,
+                    self._chunks,
+                    timeout=self.timeout,
+                    record=STREAM_RECORD,
                 )
             except BroadcastError as e:
                 raise WeightSyncError(version, e.failed, e.results) from e
-        self._version = version
         self._prune(version)
         return checked(version, results, self.require_all)
 
@@ -214,11 +218,17 @@ class StreamPublisher:
         with self._lock:
             if self._manifest is None:
                 return {}
-            return self.queue.push_weights(
-                self._manifest.version, self._manifest, self._chunks, timeout=self.timeout, record=None
+            return broadcast.push_weights(
+                self.queue,
+                self._manifest.version,
+                self._manifest,
+                self._chunks,
+                timeout=self.timeout,
+                record=None,
             )
 
     def close(self) -> None:
+        """Stop the follower thread (the queue stays open: it is the caller's)."""
         self._stop.set()
         if self._follower is not None:
             self._follower.join(timeout=self.timeout + 15)

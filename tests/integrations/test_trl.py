@@ -304,6 +304,57 @@ def test_trl_advantages_by_hand():
     assert adv.tolist() == [0.5, -0.5, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("loss_type", ["bnpo", "grpo", "dr_grpo"])
+def test_the_kl_term_is_trls(loss_type, bias_correction):
+    """beta adds TRL's term — per_token_kl, use_bias_correction_kl and the loss_type's normalisation as
+    TRL 1.16's GRPOTrainer.compute_loss writes them — to the policy term, loss and gradient; `ref_kl`,
+    which compute_loss logs as TRL's `kl`, is TRL's masked mean of per_token_kl."""
+    g = torch.Generator().manual_seed(0)
+    b, t, v, beta = 4, 5, 11, 0.3
+    logits = torch.randn(b, t, v, generator=g, dtype=torch.float64)
+    mu = (logits + torch.randn(b, t, v, generator=g, dtype=torch.float64)).log_softmax(-1)
+    ids = torch.multinomial(mu.exp().reshape(-1, v), 1, generator=g).reshape(b, t)
+    topk_lp, topk_ids = mu.topk(3, dim=-1)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[2, 3:] = False
+    batch = dict(
+        completion_ids=ids,
+        response_mask=mask,
+        sampled_logprobs=mu.gather(-1, ids[..., None])[..., 0],
+        topk_ids=topk_ids,
+        topk_logprobs=topk_lp,
+        temperature=torch.ones(b, dtype=torch.float64),
+        advantages=torch.tensor([1.0, -0.5, 0.8, -1.2], dtype=torch.float64),
+        ref_logprobs=token_logprobs(torch.randn(b, t, v, generator=g, dtype=torch.float64), ids),
+    )
+    kw = dict(mask=MaskConfig(method="ppo"), is_cap=10.0, aggregation=LOSS_TYPES[loss_type], max_len=t + 2)
+    x0, x1, x2 = (logits.clone().requires_grad_(True) for _ in range(3))
+    policy, _, _ = maskroll_loss(x0, batch, **kw)
+    policy.backward()
+    loss, metrics, _ = maskroll_loss(x1, batch, beta=beta, bias_correction_kl=bias_correction, **kw)
+    loss.backward()
+
+    # TRL 1.16, GRPOTrainer.compute_loss
+    lp, ref, m = token_logprobs(x2, ids), batch["ref_logprobs"], mask.double()
+    per_token_kl = torch.exp(ref - lp) - (ref - lp) - 1
+    if bias_correction:
+        per_token_kl = per_token_kl * torch.exp(lp - batch["sampled_logprobs"])
+    trl_kl = {
+        "bnpo": lambda x: (x * m).sum() / m.sum().clamp(min=1.0),
+        "grpo": lambda x: ((x * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean(),
+        "dr_grpo": lambda x: (x * m).sum() / (x.size(0) * (t + 2)),
+    }[loss_type](per_token_kl)
+    (beta * trl_kl).backward()
+
+    kl_term = loss.detach() - policy.detach()
+    torch.testing.assert_close(kl_term, beta * trl_kl.detach(), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(x1.grad - x0.grad, x2.grad, rtol=1e-9, atol=1e-13)
+    assert float(x2.grad.abs().max()) > 1e-3
+    want_logged = float((per_token_kl * m).sum() / m.sum())
+    assert float(metrics["ref_kl"]) == pytest.approx(want_logged, rel=1e-12)
+
+
 def test_queue_source_completes_a_batch_when_fewer_jobs_than_a_batch_are_in_flight(cluster):
     """The demo's last-step hang: a trainer holding part of its batch (a group left over from a read
     that brought more than it needed) asks the queue only for what is missing — here one group, when a

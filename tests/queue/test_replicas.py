@@ -21,6 +21,7 @@ from maskroll.client.queue import BroadcastError, RolloutQueue
 from maskroll.local.redis_server import LocalRedis
 from maskroll.proto.records import SamplingOptions
 from maskroll.proto.streams import REPLICA_GROUP, StreamKeys
+from maskroll.weight_sync.broadcast import broadcast_weights
 
 pytestmark = pytest.mark.slow
 
@@ -152,11 +153,11 @@ def test_broadcast_weights_reaches_every_live_replica(model_dir, tmp_path):
                 while len(q.replicas()) < 2:
                     assert time.monotonic() < deadline, "replicas did not register"
                     time.sleep(0.1)
-                results = q.broadcast_weights(1, str(root / "v1"), timeout=60)
+                results = broadcast_weights(q, 1, str(root / "v1"), timeout=60)
                 assert results == {"rep-1": "ok", "rep-2": "ok"}
                 assert q.policy_version == 1
                 with pytest.raises(BroadcastError, match="loaded by none of the 2 live replicas") as bad:
-                    q.broadcast_weights(2, str(tmp_path / "outside-the-root"), timeout=60)
+                    broadcast_weights(q, 2, str(tmp_path / "outside-the-root"), timeout=60)
                 assert all("PERMISSION_DENIED" in r for r in bad.value.results.values()), bad.value
                 q.set_policy_version(1)
                 for _ in range(2):

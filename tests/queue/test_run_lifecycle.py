@@ -35,6 +35,7 @@ from maskroll.client import (
 from maskroll.local.redis_server import LocalRedis
 from maskroll.proto.streams import StreamKeys
 from maskroll.weight_sync import CHECKPOINT_FILE, CheckpointPublisher
+from maskroll.weight_sync.broadcast import broadcast_weights, replica_weights, sync_replicas
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +100,7 @@ def _step(model: torch.nn.Module, seed: int) -> None:
 
 
 def _serving(q: RolloutQueue) -> dict:
-    return q.replica_weights()
+    return replica_weights(q)
 
 
 def test_a_second_trainer_must_choose_and_a_new_run_never_trains_on_the_old_records(cluster, model_dir):
@@ -160,7 +161,7 @@ def test_a_resumed_trainer_continues_at_the_right_version(cluster, model_dir):
     assert pub2.start(restarted) == 2
     for name, t in restarted.state_dict().items():
         assert torch.equal(t, trained[name]), name
-    assert again.sync_replicas() == {r: "unchanged" for r in REPS}  # they serve v2 of this run already
+    assert sync_replicas(again) == {r: "unchanged" for r in REPS}  # they serve v2 of this run already
     _step(restarted, 5)
     assert pub2.publish(restarted) == {r: "ok" for r in REPS}  # the first broadcast after the restart
     assert pub2.version == 3 and again.policy_version == 3
@@ -184,18 +185,18 @@ def test_a_broadcast_every_replica_refuses_raises_and_replicas_log_each_update(
     with pytest.raises(
         BroadcastError, match="loaded by none of the 2 live replicas in namespace 'lifecycle'"
     ) as e:
-        q.broadcast_weights(1, str(outside))
+        broadcast_weights(q, 1, str(outside))
     assert set(e.value.results) == set(REPS)
     assert all("PERMISSION_DENIED" in r and "weights_root" in r for r in e.value.results.values())
     inside = cluster.root / "copied"
     shutil.copytree(outside, inside, dirs_exist_ok=True)
-    assert q.broadcast_weights(2, str(inside)) == {r: "ok" for r in REPS}
+    assert broadcast_weights(q, 2, str(inside)) == {r: "ok" for r in REPS}
     # A partial broadcast: a registered replica that does not answer is reported and logged as behind.
     ghost = {"replica_id": "ghost", "address": "127.0.0.1:9", "policy_version": 0}
     cluster.raw.set(cluster.keys.replica("ghost"), json.dumps(ghost), px=60_000)
     try:
         with caplog.at_level(logging.WARNING, logger="maskroll.queue"):
-            results = q.broadcast_weights(3, str(inside), timeout=10)
+            results = broadcast_weights(q, 3, str(inside), timeout=10)
     finally:
         cluster.raw.delete(cluster.keys.replica("ghost"))
     assert results["rep-0"] == results["rep-1"] == "ok" and results["ghost"] != "ok", results

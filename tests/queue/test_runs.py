@@ -31,6 +31,7 @@ from maskroll.proto.records import PromptJob, SamplingOptions
 from maskroll.proto.redis_conn import connect
 from maskroll.proto.streams import F_JOB, F_RECORD, REPLICA_GROUP, StreamKeys
 from maskroll.server.pull.publisher import RolloutPublisher
+from maskroll.weight_sync.broadcast import broadcast_weights, broadcast_weights_async
 
 
 def _job(job_id: str, n: int, run_id: str) -> PromptJob:
@@ -182,7 +183,7 @@ def test_a_superseded_trainer_is_told_and_leaves_the_new_runs_records(redis_serv
             redis_server.url, namespace, run="new", batch_size=2, claim_idle_s=0.5
         ).open()
         with pytest.raises(RunSuperseded, match=f"now belongs to run {new.run_id}"):
-            await old.broadcast_weights(1, "/nowhere/v1")
+            await broadcast_weights_async(old, 1, "/nowhere/v1")
         async with replica(redis_server.url, namespace):
             await new.submit([3], OPTS, n=2)
             with pytest.raises(RunSuperseded, match="another trainer started a new run"):
@@ -205,10 +206,10 @@ def test_timeouts_and_broadcasts_say_there_is_no_live_replica(redis_server, name
         with pytest.raises(
             BroadcastError, match=f"reached no replica: 0 live replicas in namespace '{namespace}'"
         ):
-            q.broadcast_weights(1, "/ckpt/v1")
+            broadcast_weights(q, 1, "/ckpt/v1")
         # the version is the run's all the same: the trainer's weights are at 1 and its checkpoint exists
         assert (q.policy_version, q.run.version, q.run.checkpoint) == (1, 1, "/ckpt/v1")
         with pytest.raises(ValueError, match=r"does not move run \w+ forward: it is at version 1"):
-            q.broadcast_weights(1, "/ckpt/v1")
+            broadcast_weights(q, 1, "/ckpt/v1")
     with RolloutQueue(redis_server.url, namespace, run="resume") as again:
         assert (again.policy_version, again.run.checkpoint) == (1, "/ckpt/v1")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from maskroll.client.admission import InFlight, QueueFull, in_flight_limit
-from maskroll.client.batching import GroupBatcher, refusal
+from maskroll.client.batching import GroupBatcher, refusal, staleness, too_stale
 from maskroll.client.queue import AsyncRolloutQueue, RolloutQueue
 from maskroll.proto.records import RolloutRecord, Semantics
 
@@ -36,6 +36,11 @@ def _loaded(code: str) -> set[str]:
     "module",
     [
         "maskroll.client.queue",
+        "maskroll.client.queue_state",
+        "maskroll.client.lifecycle",
+        "maskroll.client.submitter",
+        "maskroll.client.reader",
+        "maskroll.client.deadletters",
         "maskroll.client.replicas",
         "maskroll.client.runs",
         "maskroll.proto.streams",
@@ -62,14 +67,14 @@ def test_public_names_resolve_to_their_owning_modules():
     owners = {
         "RolloutQueue": "maskroll.client.queue",
         "AsyncRolloutQueue": "maskroll.client.queue",
-        "QueueTimeout": "maskroll.client.queue",
-        "QueueStats": "maskroll.client.queue",
+        "QueueTimeout": "maskroll.client.reader",
+        "QueueStats": "maskroll.client.queue_state",
         "QueueFull": "maskroll.client.admission",
         "QueueUnavailable": "maskroll.proto.redis_conn",
-        "ReplicaInfo": "maskroll.client.replicas",
+        "ReplicaInfo": "maskroll.proto.heartbeat",  # the contract: both sides read it
         "ReplicaWeights": "maskroll.client.replicas",
         "BroadcastError": "maskroll.client.replicas",
-        "RunInfo": "maskroll.client.runs",
+        "RunInfo": "maskroll.proto.run_record",
         "RunChoiceRequired": "maskroll.client.runs",
         "RunNotFound": "maskroll.client.runs",
         "RunSuperseded": "maskroll.client.runs",
@@ -79,17 +84,13 @@ def test_public_names_resolve_to_their_owning_modules():
 
     assert q.QueueFull is c.QueueFull and q.QueueUnavailable is c.QueueUnavailable
     assert q.ReplicaInfo is c.ReplicaInfo
+    assert q.QueueStats is c.QueueStats and q.QueueTimeout is c.QueueTimeout
 
 
 PUBLIC = ["__init__", "submit", "next_batch", "batches", "ack", "room", "set_policy_version"]
-PUBLIC += [
-    "replicas",
-    "replica_weights",
-    "broadcast_weights",
-    "sync_replicas",
-    "cancel_pending_jobs",
-    "close",
-]
+PUBLIC += ["replicas", "record_version", "cancel_pending_jobs", "close"]
+PROPERTIES = ["stats", "run", "run_id", "namespace", "policy_version", "max_in_flight", "in_flight"]
+PROPERTIES += ["consumer", "replica_auth"]
 
 
 @pytest.mark.parametrize("name", PUBLIC)
@@ -97,6 +98,19 @@ def test_sync_facade_has_the_async_signature_and_a_docstring(name):
     sync, async_ = getattr(RolloutQueue, name), getattr(AsyncRolloutQueue, name)
     assert inspect.signature(sync).parameters == inspect.signature(async_).parameters
     assert sync.__doc__ and (async_.__doc__ or name == "__init__")
+
+
+@pytest.mark.parametrize("name", PROPERTIES)
+def test_sync_facade_reads_the_async_properties(name):
+    sync, async_ = getattr(RolloutQueue, name), getattr(AsyncRolloutQueue, name)
+    assert isinstance(sync, property) and isinstance(async_, property)
+    assert sync.__doc__ and sync.__doc__ == async_.__doc__
+
+
+def test_the_queue_has_no_weight_calls():
+    # moving weights is maskroll.weight_sync.broadcast's, which takes the queue (tests/weight_sync)
+    for name in ("broadcast_weights", "push_weights", "sync_replicas", "replica_weights"):
+        assert not hasattr(RolloutQueue, name) and not hasattr(AsyncRolloutQueue, name)
 
 
 def _rec(job: str, i: int, *, size: int = 2, version: int = 0, run: str = "run-a") -> RolloutRecord:
@@ -228,3 +242,11 @@ def test_refusal_names_run_version_and_semantic_problems():
     bad = _rec("j", 5)  # sample 5 of a group of 2
     kind, reason = refusal(bad, run_id="run-a", policy_version=3)
     assert kind == "invalid" and "sample_index 5 is not in [0, group_size 2)" in reason
+
+
+def test_the_staleness_rule_is_one_function_for_records_and_groups():
+    group = [_rec("g", 0, version=3), _rec("g", 1, version=5)]
+    assert staleness(group, 6) == 3 and staleness(group[1:], 6) == 1  # the oldest first token counts
+    assert too_stale(group, 6, 2) and not too_stale(group, 5, 2)  # more than max_staleness behind
+    assert not too_stale(group, 100, None)  # no bound
+    assert not too_stale(group, 6, 3) and too_stale(group[:1], 7, 3)

@@ -149,5 +149,5 @@ def test_client_checks_what_needs_no_server(torch_server):  # noqa: F811
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.message
         with pytest.raises(RolloutError, match="fit in int32"):
             c.generate_record([2**40], SamplingOptions(max_tokens=1))
-        with pytest.raises(RolloutError, match="1-D integer"):
+        with pytest.raises(RolloutError, match=r"must be a 1-D array of token ids, got float64 \(2,\)"):
             c.generate_record([1.5, 2.0], SamplingOptions(max_tokens=1))

@@ -22,13 +22,15 @@ from maskroll.weight_sync import (
 
 
 class Replicas:
-    """Stands in for RolloutQueue.broadcast_weights: a fixed answer per replica, calls recorded."""
+    """Stands in for a queue's replicas (a publish.Fleet): a fixed answer per replica, calls recorded;
+    like the queue's run, it owns the version and a broadcast advances it."""
 
     def __init__(self, answers: dict[str, str]) -> None:
-        self.answers, self.calls = answers, []
+        self.answers, self.calls, self.version = answers, [], 0
 
     def broadcast_weights(self, version: int, checkpoint_dir: str, timeout: float = 120.0) -> dict[str, str]:
         self.calls.append((version, checkpoint_dir, timeout))
+        self.version = version
         return dict(self.answers)
 
 
@@ -117,7 +119,7 @@ class RunQueue(Replicas):
 
     def __init__(self, run: RunInfo, serving: dict) -> None:
         super().__init__({r: "ok" for r in serving})
-        self.run, self.serving, self.synced = run, serving, 0
+        self.run, self.serving, self.synced, self.version = run, serving, 0, run.version
 
     def replica_weights(self, timeout: float = 10.0) -> dict:
         return dict(self.serving)

@@ -76,21 +76,25 @@ def test_collective_publish_records_the_version_in_the_run_like_the_other_publis
         with pytest.raises(
             ValueError, match="version -1 does not move the run forward: the last published is 0"
         ):
-            pub.publish(-1)
+            pub.publish(model, -1)
         with torch.no_grad():
             model.weight[0, 0] = float("nan")
         with pytest.raises(ValueError, match="'weight' has non-finite values; version 1 not sent"):
-            pub.publish()
+            pub.publish(model)
         assert (q.run.version, q.policy_version) == (0, 0)  # refused before anything was recorded
         with torch.no_grad():
             model.weight[0, 0] = 1.0
         # the torch engine takes no NCCL: the replica fails, but the version was recorded first, as
         # broadcast_weights and push_weights record it before any replica loads it
         with pytest.raises(WeightSyncError, match=r"torch-0: .*UNIMPLEMENTED"):
-            pub.publish()
+            pub.publish(model)
         assert (q.run.version, q.run.checkpoint, q.policy_version) == (1, COLLECTIVE_RECORD, 1)
         assert pub.version == 1
         with pytest.raises(
             ValueError, match="version 1 does not move the run forward: the last published is 1"
         ):
-            pub.publish(1)
+            pub.publish(model, 1)
+        with pytest.raises(TypeError, match=r"publish\(version=v\)"):
+            pub.publish(2)  # the old positional version
+        with pytest.raises(ValueError, match="the model it was made with"):
+            pub.publish(torch.nn.Linear(4, 4))

@@ -14,6 +14,7 @@ from maskroll.client import ReplicaWeights, RolloutQueue
 from maskroll.local.redis_server import LocalRedis
 from maskroll.server.app import start
 from maskroll.weight_sync import CheckpointPublisher
+from maskroll.weight_sync.broadcast import replica_weights
 
 NS = "join"
 
@@ -59,7 +60,7 @@ def test_a_replica_started_mid_run_loads_the_recorded_checkpoint_before_taking_j
             assert stranger.servicer.weights_served == ("", 0)
             assert f"joined at version 1 of run {q.run.run_id}" in caplog.text
             assert "could not join at version 1" in caplog.text and "PERMISSION_DENIED" in caplog.text
-            assert q.replica_weights()["rep-b"] == ReplicaWeights(q.run.run_id, 1)
+            assert replica_weights(q)["rep-b"] == ReplicaWeights(q.run.run_id, 1)
     finally:
         for r in (first, late, stranger):
             if r is not None:

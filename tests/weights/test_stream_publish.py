@@ -18,6 +18,7 @@ from procs import Replicas
 from maskroll.client import ReplicaWeights, RolloutQueue, SyncRolloutClient
 from maskroll.local.redis_server import LocalRedis
 from maskroll.proto.streams import StreamKeys
+from maskroll.weight_sync.broadcast import replica_weights
 from maskroll.weight_sync.stream import STREAM_RECORD, StreamPublisher
 
 pytestmark = pytest.mark.slow
@@ -72,7 +73,7 @@ def test_publish_reaches_every_replica_and_a_replica_started_mid_run_joins_at_th
             _step(model, 2)
             assert pub.publish(model) == {"rep-0": "ok", "rep-1": "ok"}
             run = q.run
-            assert q.replica_weights() == {r: ReplicaWeights(run.run_id, 2) for r in ("rep-0", "rep-1")}
+            assert replica_weights(q) == {r: ReplicaWeights(run.run_id, 2) for r in ("rep-0", "rep-1")}
             import redis
 
             record = redis.Redis.from_url(url).hgetall(StreamKeys(NS).run)
@@ -86,7 +87,7 @@ def test_publish_reaches_every_replica_and_a_replica_started_mid_run_joins_at_th
             assert re.search(r"ready on .*policy version 2\b", log), log[-2000:]
             assert f"joined run {run.run_id} at version 2" in log
             assert log.index("joined run") < log.index("ready on")
-            assert q.replica_weights()["rep-2"] == ReplicaWeights(run.run_id, 2)
+            assert replica_weights(q)["rep-2"] == ReplicaWeights(run.run_id, 2)
             assert time.monotonic() - t0 < 60
             # the pushed weights are the trainer's version 2 exactly: same logits as the trainer computes
             info = {r.replica_id: r for r in q.replicas()}["rep-2"]

@@ -1,0 +1,290 @@
+"""Moving a policy version onto the live replicas of a queue's namespace (docs/architecture.md flow 4).
+
+The queue is taken for its replica registry (`replicas()`, the heartbeat keys), its run (id and
+namespace), the replicas' gRPC credentials (`replica_auth`) and `record_version`, which records each
+version in the run record and makes it the trainer's policy version before any replica loads it:
+
+- `broadcast_weights`: record the version (a checkpoint directory), then UpdateWeights on every replica;
+- `push_weights`: record the version ("stream"), then PushWeights — the tensors in the call;
+- `sync_replicas`: make every replica serve the run's current version (after a resume, or a join);
+- `replica_weights`: what each replica serves now (GetInfo).
+
+Each exists twice: `*_async(queue: AsyncRolloutQueue, ...)`, and the blocking form taking a
+`RolloutQueue`, which runs the async one on the queue's own event loop (`RolloutQueue.run_on_loop`).
+One replica failing never stops the others: results are per replica ({replica_id: "ok" | "unchanged" |
+"<ErrorType>: <message>"}), and `BroadcastError` (maskroll.client) is raised when none loaded it.
+Below them, the per-replica calls on a list of replicas (`update_each`, `push_each`, `weights_of_each`,
+`collective_update`) need no queue. Only this module of the trainer side calls the replicas' weight
+RPCs; grpc is loaded when they are called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from maskroll.client import BroadcastError, ReplicaInfo, ReplicaWeights
+from maskroll.proto.tensor_push import CollectiveSpec, WeightsManifest
+
+if TYPE_CHECKING:
+    from maskroll.client import AsyncRolloutQueue, RolloutClient, RolloutQueue
+
+log = logging.getLogger("maskroll.queue")
+
+T = TypeVar("T")
+Chunks = Callable[[], Iterable[tuple[int, int, bytes | memoryview]]]
+
+# ---- per replica, on a list of replicas -------------------------------------------------------------
+
+
+async def _each(
+    replicas: Sequence[ReplicaInfo],
+    call: Callable[[int, RolloutClient], Awaitable[T]],
+    *,
+    token: str | None,
+    tls: bool,
+    root_certs: bytes | None,
+) -> dict[str, T | str]:
+    """`call(i, client of replica i)` on every replica concurrently; {replica_id: its result or
+    "<ErrorType>: <message>"}: one replica failing never stops the others (reported per replica, by
+    design)."""
+    from maskroll.client import RolloutClient  # grpc only when replicas are called
+
+    async def one(i: int, rep: ReplicaInfo) -> T | str:
+        try:
+            async with RolloutClient(rep.address, token=token, tls=tls, root_certs=root_certs) as c:
+                return await call(i, c)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+
+    results = await asyncio.gather(*(one(i, rep) for i, rep in enumerate(replicas)))
+    return {rep.replica_id: res for rep, res in zip(replicas, results, strict=True)}
+
+
+async def update_each(
+    replicas: Sequence[ReplicaInfo],
+    version: int,
+    checkpoint_dir: str,
+    *,
+    run_id: str = "",
+    timeout: float = 120.0,
+    token: str | None = None,
+    tls: bool = False,
+    root_certs: bytes | None = None,
+) -> dict[str, str]:
+    """UpdateWeights(version of run `run_id`) on every replica concurrently, each bounded by `timeout` s."""
+
+    async def call(_: int, c: RolloutClient) -> str:
+        await asyncio.wait_for(c.update_weights(version, checkpoint_dir, run_id=run_id), timeout)
+        return "ok"
+
+    return await _each(replicas, call, token=token, tls=tls, root_certs=root_certs)
+
+
+async def weights_of_each(
+    replicas: Sequence[ReplicaInfo],
+    *,
+    timeout: float = 10.0,
+    token: str | None = None,
+    tls: bool = False,
+    root_certs: bytes | None = None,
+) -> dict[str, ReplicaWeights | str]:
+    """GetInfo on every replica concurrently: {replica_id: ReplicaWeights | "<ErrorType>: <message>"}."""
+
+    async def call(_: int, c: RolloutClient) -> ReplicaWeights:
+        info = await asyncio.wait_for(c.info(), timeout)
+        return ReplicaWeights(info.run_id, info.policy_version)
+
+    return await _each(replicas, call, token=token, tls=tls, root_certs=root_certs)
+
+
+async def push_each(
+    replicas: Sequence[ReplicaInfo],
+    manifest: WeightsManifest,
+    chunks: Chunks,
+    *,
+    timeout: float = 120.0,
+    token: str | None = None,
+    tls: bool = False,
+    root_certs: bytes | None = None,
+) -> dict[str, str]:
+    """PushWeights(manifest, then `chunks()`) to every replica concurrently, each bounded by `timeout` s
+    (sending and loading). `chunks` is called once per replica and yields (tensor index, offset, bytes)
+    in manifest order; each replica reads at its own pace, so a slow or dead one never holds back the
+    others."""
+    from maskroll.proto import wire
+
+    def messages():
+        # Serialized here, each chunk with one copy of the tensor's bytes (wire.push_chunk_bytes); the
+        # call has no request serializer, so gRPC sends these bytes as they are.
+        yield wire.manifest_to_pb(manifest).SerializeToString()
+        for index, offset, data in chunks():
+            yield wire.push_chunk_bytes(index, offset, data)
+
+    async def call(_: int, c: RolloutClient) -> str:
+        c._rollout()  # opens the channel
+        push = c._channel.stream_unary(
+            wire.PUSH_WEIGHTS_METHOD, response_deserializer=wire.pb.UpdateWeightsResponse.FromString
+        )
+        # The deadline bounds the whole call (gRPC cancels it, so the replica drops the half-received
+        # push); wait_for is the backstop for a channel that never connects.
+        await asyncio.wait_for(c._unary(push, messages(), timeout), timeout + 5.0)
+        return "ok"
+
+    return await _each(replicas, call, token=token, tls=tls, root_certs=root_certs)
+
+
+async def collective_update(
+    replicas: Sequence[ReplicaInfo],
+    version: int,
+    specs: Sequence[CollectiveSpec],
+    *,
+    run_id: str = "",
+    timeout: float = 600.0,
+    token: str | None = None,
+    tls: bool = False,
+    root_certs: bytes | None = None,
+) -> dict[str, str]:
+    """UpdateWeights(collective spec i) on replica i, all concurrently (each blocks in its NCCL
+    rendezvous or receive until the trainer broadcasts)."""
+    from maskroll.proto import wire
+
+    if len(specs) != len(replicas):
+        raise ValueError(f"{len(specs)} collective specs for {len(replicas)} replicas")
+
+    async def call(i: int, c: RolloutClient) -> str:
+        request = wire.collective_request(version, specs[i], run_id)
+        await asyncio.wait_for(c._unary(c._rollout().UpdateWeights, request, timeout), timeout + 5.0)
+        return "ok"
+
+    return await _each(replicas, call, token=token, tls=tls, root_certs=root_certs)
+
+
+# ---- the replicas of a queue's namespace ----------------------------------------------------------
+
+
+async def replica_weights_async(
+    queue: AsyncRolloutQueue, timeout: float = 10.0
+) -> dict[str, ReplicaWeights | str]:
+    """What each live replica serves now, asked over gRPC (GetInfo): {replica_id: ReplicaWeights(run_id,
+    version) | "<error>"}."""
+    return await weights_of_each(await queue.replicas(), timeout=timeout, **queue.replica_auth)
+
+
+async def broadcast_weights_async(
+    queue: AsyncRolloutQueue, version: int, checkpoint_dir: str, timeout: float = 120.0
+) -> dict[str, str]:
+    """Publish `version` of the queue's run: record it (with `checkpoint_dir`) as the run's latest, make
+    it the trainer's policy version, then UpdateWeights on every live replica concurrently, each
+    bounded by `timeout`. Returns {replica_id: "ok" | "unchanged" | error} and logs the replicas left
+    behind; raises BroadcastError when no live replica loaded it (none alive included),
+    RunSuperseded when another trainer started a new run, ValueError when `version` does not move the
+    run forward (0 may be published while the run is at 0: its starting weights)."""
+    await queue.record_version(version, str(checkpoint_dir))
+    return await _load_everywhere(queue, version, str(checkpoint_dir), timeout, skip_current=version == 0)
+
+
+async def sync_replicas_async(queue: AsyncRolloutQueue, timeout: float = 120.0) -> dict[str, str]:
+    """Make every live replica serve the run's current version (after a resume, or when replicas joined
+    or were restarted): those already serving it are left alone ("unchanged"), the others load the
+    run's recorded checkpoint — a replica serving another run reloads. Raises BroadcastError when no
+    live replica serves it afterwards; ValueError when the run has published nothing yet."""
+    await queue.open()
+    run = queue.run
+    if not run.checkpoint:
+        raise ValueError(
+            f"run {run.run_id} has published no weights yet (version {run.version}, no checkpoint): "
+            "publish its starting weights first (CheckpointPublisher.start(model))"
+        )
+    return await _load_everywhere(queue, run.version, run.checkpoint, timeout, skip_current=True)
+
+
+async def push_weights_async(
+    queue: AsyncRolloutQueue,
+    version: int,
+    manifest: WeightsManifest,
+    chunks: Chunks,
+    timeout: float = 120.0,
+    *,
+    record: str | None = "stream",
+) -> dict[str, str]:
+    """Publish `version` with the tensors in the call (PushWeights: no shared filesystem), to every
+    live replica concurrently, each bounded by `timeout`; `chunks()` yields (tensor index, offset,
+    bytes) in `manifest` order and is called once per replica. `record` is what the run record's
+    `checkpoint` says (how a replica that joins later gets this version, docs/records.md "Runs").
+    record=None re-sends the run's current version to the live replicas that do not serve it (joined
+    or restarted since) and records nothing; it raises nothing when every replica is current.
+    Results and errors as `broadcast_weights`."""
+    await queue.open()
+    if record is not None:
+        await queue.record_version(version, record)
+    manifest = replace(manifest, version=int(version), run_id=queue.run_id)
+
+    async def send(reps: list[ReplicaInfo]) -> dict[str, str]:
+        return await push_each(reps, manifest, chunks, timeout=timeout, **queue.replica_auth)
+
+    if record is None:
+        return await _load_everywhere(queue, version, "", timeout, skip_current=True, send=send, quiet=True)
+    return await _load_everywhere(queue, version, "", timeout, skip_current=version == 0, send=send)
+
+
+async def _load_everywhere(
+    queue: AsyncRolloutQueue,
+    version: int,
+    checkpoint_dir: str,
+    timeout: float,
+    *,
+    skip_current: bool,
+    send: Callable[[list[ReplicaInfo]], Awaitable[dict[str, str]]] | None = None,
+    quiet: bool = False,
+) -> dict[str, str]:
+    """`version` onto every live replica of `queue` (UpdateWeights of `checkpoint_dir`, or `send`).
+    skip_current: replicas already serving this version of the run are left alone ("unchanged": a
+    replica would refuse it as "not greater"). quiet: a catch-up (PushWeights of the current
+    version): no live replica, or every one current, is not an error."""
+    reps = await queue.replicas()
+    auth, run_id = queue.replica_auth, queue.run_id
+    results: dict[str, str] = {}
+    if skip_current:
+        serving = await weights_of_each(reps, timeout=min(timeout, 10.0), **auth)
+        current = {r for r, w in serving.items() if w == ReplicaWeights(run_id, version)}
+        results = {r: "unchanged" for r in current}
+        reps = [rep for rep in reps if rep.replica_id not in current]
+    if send is not None:
+        results.update(await send(reps))
+    else:
+        results.update(
+            await update_each(reps, version, checkpoint_dir, run_id=run_id, timeout=timeout, **auth)
+        )
+    failed = {r: e for r, e in results.items() if e not in ("ok", "unchanged")}
+    if quiet and (not results or not failed):
+        return dict(sorted(results.items()))
+    if not results or len(failed) == len(results):
+        raise BroadcastError(version, results, queue.namespace)
+    if failed:
+        log.warning("policy version %d of run %s: replicas behind: %s", version, run_id, failed)
+    return dict(sorted(results.items()))
+
+
+# ---- the same, blocking, for a RolloutQueue ---------------------------------------------------------
+
+
+def _blocking(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., T]:
+    """`fn(queue.aio, ...)` run on the RolloutQueue's event loop: the same parameters and docstring."""
+
+    @functools.wraps(fn)
+    def run(queue: RolloutQueue, *args: Any, **kwargs: Any) -> T:
+        return queue.run_on_loop(fn(queue.aio, *args, **kwargs))
+
+    run.__name__ = run.__qualname__ = fn.__name__.removesuffix("_async")
+    return run
+
+
+replica_weights = _blocking(replica_weights_async)
+broadcast_weights = _blocking(broadcast_weights_async)
+sync_replicas = _blocking(sync_replicas_async)
+push_weights = _blocking(push_weights_async)

@@ -1,0 +1,94 @@
+"""One Publisher protocol, one factory: how a trainer gets a policy version onto the replicas.
+
+Every publisher does the same four things, whatever the transport:
+
+    pub = make_publisher("stream", q, root="./ckpt")   # or "directory", "collective"
+    pub.start(model)        # trainer and replicas on the run's current version; returns it
+    pub.publish(model)      # the next version (pub.version + 1) on every live replica, or an error
+    pub.version             # the last version published: the queue's policy version (its run's)
+    pub.close()             # stop what the publisher runs (StreamPublisher's follower thread)
+
+Transports: "directory" (`CheckpointPublisher`: a checkpoint under the replicas' shared
+`--weights-root`, loaded by UpdateWeights), "stream" (`StreamPublisher`: PushWeights over gRPC, no
+shared filesystem), "collective" (`CollectivePublisher`: NCCL through vLLM's weight transfer; GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from maskroll.client import RolloutQueue
+
+    from .publish import Fleet
+
+Transport = Literal["directory", "stream", "collective"]
+TRANSPORTS: tuple[Transport, ...] = ("directory", "stream", "collective")
+
+
+class Publisher(Protocol):
+    """What CheckpointPublisher, StreamPublisher and CollectivePublisher share."""
+
+    @property
+    def version(self) -> int:
+        """The last version published (the trainer's policy version; one owner: the queue's run)."""
+        ...
+
+    def start(self, model: torch.nn.Module) -> int:
+        """Put the trainer and every live replica on the run's current version; returns that version."""
+        ...
+
+    def publish(
+        self, model: Mapping[str, torch.Tensor] | torch.nn.Module, version: int | None = None
+    ) -> dict[str, str]:
+        """Publish `model` as `version` (default: the last + 1): recorded in the run, then on every live
+        replica; {replica_id: "ok" | "unchanged" | error}. Raises when replicas were left behind."""
+        ...
+
+    def close(self) -> None:
+        """Release what the publisher runs (never the queue: it is the caller's)."""
+        ...
+
+
+def make_publisher(
+    transport: Transport,
+    queue: RolloutQueue | Fleet,
+    *,
+    root: str | os.PathLike | None = None,
+    keep: int = 2,
+    timeout: float | None = None,
+    **options: Any,
+) -> Publisher:
+    """The publisher of `transport` for the replicas behind `queue` (a RolloutQueue; "directory" also
+    takes a `publish.Fleet`, e.g. a fixed list of replicas with no queue).
+
+    root: "directory": the replicas' `--weights-root` (required); "stream": the trainer's own copy of
+    each version, for resuming after a restart (None: none); "collective": not used. keep: versions
+    kept under root. timeout: seconds each replica may take per version (default: the transport's).
+    options: the transport's own arguments — require_all ("directory", "stream"); follow_s, chunk_bytes
+    ("stream"); model, master_address, master_port, tensor_parallel_size, packed ("collective")."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r}; expected one of {', '.join(map(repr, TRANSPORTS))}")
+    if timeout is not None:
+        options["timeout"] = timeout
+    if transport == "directory":
+        from .publish import CheckpointPublisher
+
+        if root is None:
+            raise ValueError(
+                "transport 'directory' needs root: the directory the replicas use as --weights-root"
+            )
+        return CheckpointPublisher(queue, root, keep=keep, **options)
+    if transport == "stream":
+        from .stream import StreamPublisher
+
+        return StreamPublisher(queue, save_root=root, keep=keep, **options)
+    from .collective import CollectivePublisher
+
+    if root is not None:
+        raise ValueError("transport 'collective' keeps no copy of the weights: root must be None")
+    return CollectivePublisher(queue, **options)
