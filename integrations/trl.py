@@ -21,27 +21,23 @@ What changes under TRL's training loop:
   or written under the replicas' `--weights-root` for them to load (`CheckpointPublisher`).
 
 Options whose meaning maskroll replaces or cannot honour are refused by name at construction
-(`UnsupportedOption`), never ignored. One process (no multi-GPU data parallelism), no PEFT adapters.
+(`UnsupportedOption`; the config and the refusals are `trl_options.py`), never ignored. One process
+(no multi-GPU data parallelism), no PEFT adapters.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import math
-import os
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from maskroll.client import SamplingOptions
 from maskroll.client.batching import staleness
-from maskroll.client.runs import RunMode
 from maskroll.trainer_adapter import (
     MaskConfig,
     MaskResult,
@@ -54,6 +50,7 @@ from maskroll.trainer_adapter import (
 from maskroll.weight_sync import Publisher, make_publisher
 
 from .rollouts import GrpcSource, Job, QueueSource, _Source
+from .trl_options import _CTOR_REFUSED, LOSS_TYPES, MaskrollConfig, UnsupportedOption, refusals
 
 with warnings.catch_warnings():
     # TRL warns at import about the vLLM version installed next to it; generation never uses TRL's vLLM.
@@ -66,157 +63,6 @@ with warnings.catch_warnings():
 log = logging.getLogger("maskroll.integrations.trl")
 
 Tensor = torch.Tensor
-
-# TRL loss_type → how maskroll's per-token loss is aggregated (TRL's normalisations, docs/integrations.md).
-LOSS_TYPES = {
-    "dapo": "token_mean",  # then rescaled to the generation batch's token count, as TRL does
-    "bnpo": "token_mean",
-    "grpo": "seq_mean_token_mean",
-    "dr_grpo": "seq_mean_token_sum_norm",
-}
-
-
-class UnsupportedOption(ValueError):
-    """A TRL option MaskrollGRPOTrainer would otherwise have to ignore."""
-
-
-@dataclass(frozen=True)
-class MaskrollConfig:
-    """What MaskrollGRPOTrainer adds to TRL's GRPOConfig.
-
-    redis_url / namespace: the queue the pull-mode replicas serve (`maskroll serve --pull`); a URL of any
-        node of a Redis Cluster works. partitions: the namespace's partitions (the replicas'
-        `--partitions`; docs/scaling.md).
-    run: "new" starts a new training run on the namespace, "resume" continues its current run (the
-        model is loaded from the run's latest checkpoint); None starts one only on an empty namespace.
-    replicas: "host:port" of replicas to call directly over gRPC, used when `redis_url` is None.
-    weight_transport: how each new policy version reaches the replicas. "stream" (queue mode only):
-        PushWeights over gRPC, no shared filesystem; `weights_root`, if given, is only the trainer's own
-        copy for resuming. "directory": a checkpoint under `weights_root`, which must be the directory
-        the replicas were started with as `--weights-root` (a shared volume across machines). Default:
-        "stream" with redis_url, "directory" with direct gRPC addresses (a push needs the run's registry).
-    weights_root: see weight_transport.
-    mask: the trust-region mask (method, divergence, estimator, δ); its top-K divergences use the
-        records' top-K logprobs.
-    logprobs_k: K top-K logprobs per sampled token (the replicas' `--max-logprobs` bounds it).
-    max_staleness: generation may run this many policy versions ahead of the optimiser.
-    publish_every: optimiser steps per published policy version.
-    is_cap: the truncated-IS cap C of maskroll's policy loss (docs/math.md §5).
-    generation_timeout_s: how long one generation batch may take before the trainer gives up.
-    min_replicas: replicas that must be registered before training starts (queue mode).
-    token / root_certs: the replicas' bearer token and TLS roots (PEM).
-    direction_diagnostics: after each optimiser step, score each rule's predicted direction of D
-        against the realised change on the last micro-batch (`maskroll/agree_*`; one more forward).
-    """
-
-    redis_url: str | None = None
-    namespace: str = "default"
-    partitions: int = 1
-    run: RunMode | None = None
-    replicas: tuple[str, ...] = ()
-    weight_transport: Literal["stream", "directory"] | None = None
-    weights_root: str | os.PathLike | None = None
-    mask: MaskConfig = field(default_factory=MaskConfig)
-    logprobs_k: int = 20
-    max_staleness: int = 1
-    publish_every: int = 1
-    is_cap: float = 10.0
-    generation_timeout_s: float = 600.0
-    min_replicas: int = 1
-    token: str | None = None
-    root_certs: bytes | None = None
-    direction_diagnostics: bool = False
-
-    def __post_init__(self) -> None:
-        if self.redis_url is None and not self.replicas:
-            raise ValueError(
-                "MaskrollConfig needs redis_url (queue mode) or replicas (direct gRPC addresses)"
-            )
-        if self.weight_transport is None:  # frozen: set the default as the field's value
-            object.__setattr__(self, "weight_transport", "stream" if self.redis_url else "directory")
-        if self.weight_transport not in ("stream", "directory"):
-            raise ValueError(
-                f"MaskrollConfig.weight_transport={self.weight_transport!r}; expected 'stream' or 'directory'"
-            )
-        if self.weight_transport == "stream" and self.redis_url is None:
-            raise ValueError(
-                "MaskrollConfig.weight_transport='stream' needs redis_url: the push goes to the replicas of "
-                "the queue's registry; with direct gRPC addresses use weight_transport='directory'"
-            )
-        if self.weight_transport == "directory" and self.weights_root is None:
-            raise ValueError(
-                "MaskrollConfig.weights_root is required with weight_transport='directory': the directory "
-                "the replicas were started with as --weights-root, where each new policy version is written "
-                "for them to load"
-            )
-        if not isinstance(self.mask, MaskConfig):
-            raise TypeError(f"MaskrollConfig.mask must be a MaskConfig, got {type(self.mask).__name__}")
-        for name, low in (
-            ("logprobs_k", 1),
-            ("max_staleness", 0),
-            ("publish_every", 1),
-            ("min_replicas", 1),
-            ("partitions", 1),
-        ):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= low):
-                raise ValueError(f"MaskrollConfig.{name}={value!r}; expected an int >= {low}")
-        for name in ("is_cap", "generation_timeout_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"MaskrollConfig.{name}={value!r}; expected a finite number > 0")
-
-
-# ---- what is refused, and why -----------------------------------------------------------------------
-
-_GEN = "generation runs on the maskroll replicas, which sample with temperature, top_p and top_k only"
-_LOSS = "maskroll's trust-region mask and truncated IS replace TRL's clipped objective"
-# GRPOConfig fields that must keep TRL's default, with the reason and what to use instead.
-_MUST_BE_DEFAULT = {
-    "use_vllm": _GEN + " (start the replicas with `maskroll serve --engine vllm`)",
-    "use_transformers_continuous_batching": _GEN,
-    "min_p": _GEN,
-    "repetition_penalty": _GEN,
-    "generation_kwargs": _GEN,
-    "epsilon": _LOSS + ": set MaskConfig(method='ppo', eps_low=...) or MaskConfig(delta=...)",
-    "epsilon_high": _LOSS + ": set MaskConfig(method='ppo', eps_high=...)",
-    "delta": _LOSS + ": the IS cap is MaskrollConfig.is_cap",
-    "importance_sampling_level": _LOSS + ": masks and IS weights are per token",
-    "off_policy_mask_threshold": _LOSS + ": the mask is MaskrollConfig.mask",
-    "top_entropy_quantile": _LOSS,
-    "entropy_coef": "the entropy bonus is not part of maskroll's loss",
-    "use_adaptive_entropy": "the entropy bonus is not part of maskroll's loss",
-    "max_tool_calling_iterations": "tool calling is not supported",
-}
-_CTOR_REFUSED = {
-    "peft_config": "replicas load full Hugging Face state dicts; merge the adapter or train the full model",
-    "tools": "tool calling is not supported",
-    "rollout_func": "generation is maskroll's (MaskrollConfig)",
-    "environment_factory": "environments are not supported",
-}
-
-
-def refusals(args: GRPOConfig | None, mask: MaskConfig, **ctor: Any) -> list[str]:
-    """Every reason to refuse this configuration, each naming the option (empty: supported)."""
-    out = [f"{name}: {why}" for name, why in _CTOR_REFUSED.items() if ctor.get(name) not in (None, [], {})]
-    if args is None:
-        return out
-    defaults = {f.name: f.default for f in fields(GRPOConfig)}
-    for name, why in _MUST_BE_DEFAULT.items():
-        if name in defaults and getattr(args, name) != defaults[name]:
-            out.append(f"{name}={getattr(args, name)!r}: {why}")
-    if args.loss_type not in LOSS_TYPES:
-        out.append(
-            f"loss_type={args.loss_type!r}: a different policy objective; {_LOSS}. The loss types that "
-            f"choose maskroll's aggregation are {sorted(LOSS_TYPES)}"
-        )
-    if (args.top_k or args.top_p < 1.0) and not mask.replay_truncation:
-        out.append(
-            f"top_k={args.top_k}, top_p={args.top_p}: truncated sampling renormalises μ over the kept set; "
-            "set MaskConfig(replay_truncation=True) to replay it on π (docs/math.md §6)"
-        )
-    return out
-
 
 # ---- maths: advantages and the loss, plain functions ------------------------------------------------
 
