@@ -7,7 +7,9 @@ advantages → compute_masks → policy_loss → Adam → publish weights → ne
 so generation and training overlap. The task (`maskroll.recipes.digits`) is verifiable: write digits.
 
 This module is the orchestrator only (processes, CLI, summary, figure): the trainer is the GRPO recipe
-(`recipes/grpo.py`), which uses only the public APIs, as a user's trainer would.
+(`recipes/grpo.py`), which uses only the public APIs, as a user's trainer would. Its configuration,
+DemoConfig, holds the recipe's GRPOConfig, which holds the MaskConfig; each flag is one of their fields
+(FLAGS), with that field's documentation as its --help (app/flags.py).
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
-from maskroll.trainer_adapter.config import Divergence, Estimator, Method
+from maskroll.local.replica import LocalReplica, stop_all, wait_all
+from maskroll.recipes.config import GRPOConfig
+
+from .flags import add_flags, from_flags
 
 Engine = Literal["auto", "torch", "vllm"]
 Trainer = Literal["maskroll", "trl"]  # the GRPO recipe, or TRL's GRPOTrainer through maskroll (recipes/)
@@ -35,36 +39,70 @@ WeightTransport = Literal["stream", "directory"]
 
 @dataclass(frozen=True)
 class DemoConfig:
+    """What `maskroll demo` starts and where it writes; the trainer's own settings are `grpo`.
+
+    out: output directory (summary.json, demo.png)
+    grpo: the GRPO recipe's settings (recipes.config.GRPOConfig), the mask nested in them
+    engine: the replicas' engine: vllm, torch, or auto = vllm if installed, else torch
+    trainer: maskroll: the GRPO recipe; trl: TRL's GRPOTrainer as MaskrollGRPOTrainer (recipes/trl_grpo.py)
+    replicas: pull-mode replicas to start
+    spawn: start a private Redis and the replicas (--no-spawn: use an existing Redis and replicas)
+    redis_url: the existing Redis (--no-spawn); default $MASKROLL_REDIS_URL
+    namespace: the queue namespace the replicas serve
+    weights_dir: checkpoints: the trainer's copy (stream) or the replicas' weights root (directory)
+    model: model directory (default: <out>/model)
+    weight_transport: stream: push weights to the replicas over gRPC (default); directory: a shared weights
+        root
+    """
+
     out: Path = Path("maskroll-demo")
-    steps: int = 30
-    seed: int = 0
-    method: Method = "predictive"
-    divergence: Divergence = "topk_kl"
-    estimator: Estimator = "proportional"
-    delta: float | None = None  # default per divergence (MaskConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     engine: Engine = "auto"
     trainer: Trainer = "maskroll"
     replicas: int = 2
-    prompts_per_step: int = 8
-    n: int = 8  # samples per prompt (one GRPO group)
-    max_tokens: int = 16
-    logprobs_k: int = 20
-    temperature: float = 1.0
-    lr: float = 2e-3
-    max_staleness: int = 1
-    eval_prompts: int = 16
-    eval_n: int = 4
-    # --no-spawn: train against an existing Redis and replicas (compose / Kubernetes)
     spawn: bool = True
-    redis_url: str | None = None
+    redis_url: str | None = field(default_factory=lambda: os.environ.get("MASKROLL_REDIS_URL"))
     namespace: str = "demo"
     weights_dir: Path | None = None
-    model: Path | None = None  # default: <out>/model, written by init-model
+    model: Path | None = None  # written by init-model when unset
     weight_transport: WeightTransport = "stream"
 
-    @property
-    def batch_size(self) -> int:
-        return self.prompts_per_step * self.n
+    def __post_init__(self) -> None:
+        if not isinstance(self.grpo, GRPOConfig):
+            raise TypeError(f"DemoConfig.grpo must be a GRPOConfig, got {type(self.grpo).__name__}")
+        if not (isinstance(self.replicas, int) and self.replicas >= 1):
+            raise ValueError(f"DemoConfig.replicas={self.replicas!r}; expected an int >= 1")
+        if not self.spawn and not (
+            self.redis_url and self.model and (self.weights_dir or self.weight_transport == "stream")
+        ):
+            needed = {"redis_url": self.redis_url, "model": self.model}
+            if self.weight_transport == "directory":
+                needed["weights_dir"] = self.weights_dir
+            unset = ", ".join(k for k, v in needed.items() if not v)
+            raise ValueError(
+                "--no-spawn needs --redis-url, --model and, with --weight-transport directory, --weights-dir "
+                f"(the replicas' weights root); unset: {unset}"
+            )
+
+
+# The flags of `maskroll demo`, in --help order: each is the field at this path (app/flags.py).
+FLAGS = (
+    "out",
+    "grpo.steps",
+    "grpo.seed",
+    "grpo.mask.method",
+    "grpo.mask.divergence",
+    "grpo.mask.estimator",
+    "grpo.mask.delta",
+    "engine",
+    "trainer",
+    "replicas",
+    "grpo.prompts_per_step",
+    "grpo.n",
+    "grpo.max_tokens",
+    "grpo.lr",
+)
+CLUSTER_FLAGS = ("spawn", "redis_url", "namespace", "weights_dir", "weight_transport", "model")
 
 
 # ---- processes ------------------------------------------------------------------------------------
@@ -76,7 +114,7 @@ class Cluster:
     def __init__(self, cfg: DemoConfig, model: Path, weights: Path, log_dir: Path) -> None:
         self.cfg, self.model, self.weights, self.log_dir = cfg, model, weights, log_dir
         self.redis = None
-        self.procs: list[subprocess.Popen] = []
+        self.replicas: list[LocalReplica] = []
         self.url = cfg.redis_url
 
     def __enter__(self) -> Cluster:
@@ -88,80 +126,37 @@ class Cluster:
         self.redis = LocalRedis(appendonly=False, data_dir=self.log_dir / "redis").start()
         self.url = self.redis.url
         threads = max(1, (os.cpu_count() or 2) // (self.cfg.replicas + 1))
+        directory = self.cfg.weight_transport == "directory"
         for i in range(self.cfg.replicas):
-            log = open(self.log_dir / f"replica-{i}.log", "w")  # the child keeps its own copy of the fd
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MASKROLL_REDIS_URL": self.url}
-            cmd = [
-                sys.executable,
-                "-m",
-                "maskroll.app.cli",
-                "serve",
-                "--model",
-                str(self.model),
-                "--engine",
-                self.cfg.engine,
-                "--port",
-                "0",
-                "--threads",
-                str(threads),
-                "--namespace",
-                self.cfg.namespace,
-                "--pull",
-                "--replica-id",
-                f"demo-replica-{i}",
-                *(("--weights-root", str(self.weights)) if self.cfg.weight_transport == "directory" else ()),
-                "--max-logprobs",
-                str(self.cfg.logprobs_k),
-                "--drain-timeout-s",
-                "5",
-                # vLLM on CPU: compiling the model would cost more start-up than a short run saves
-                "--enforce-eager",
-            ]
-            self.procs.append(
-                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            args = ["--model", self.model, "--engine", self.cfg.engine, "--port", "0"]
+            args += ["--threads", str(threads), "--namespace", self.cfg.namespace, "--pull"]
+            args += ["--replica-id", f"demo-replica-{i}"]
+            args += ["--weights-root", self.weights] if directory else []
+            args += ["--max-logprobs", str(self.cfg.grpo.logprobs_k), "--drain-timeout-s", "5"]
+            # vLLM on CPU: compiling the model would cost more start-up than a short run saves
+            args += ["--enforce-eager"]
+            replica = LocalReplica(
+                args,
+                env={"OMP_NUM_THREADS": str(threads), "MASKROLL_REDIS_URL": self.url},
+                log=self.log_dir / f"replica-{i}.log",
+                name=f"replica {i}",
+                own_session=True,
             )
-            log.close()
+            self.replicas.append(replica.start())
         return self
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        for i, p in enumerate(self.procs):
-            path = self.log_dir / f"replica-{i}.log"
-            while "ready on" not in path.read_text(errors="replace"):
-                if p.poll() is not None:
-                    tail = path.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"replica {i} exited with {p.returncode}:\n{tail}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"replica {i} not ready after {timeout} s (log: {path})")
-                time.sleep(0.2)
+        wait_all(self.replicas, timeout)
 
     def __exit__(self, *exc: object) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        interrupted = False
-        for p in self.procs:
-            try:
-                p.wait(0 if interrupted else 20)
-            except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
-                # A second Ctrl-C / SIGTERM while replicas drain must not orphan them: kill the rest now.
-                interrupted = interrupted or isinstance(e, KeyboardInterrupt)
-                p.kill()
-                p.wait()
-        if self.redis is not None:
-            self.redis.close()
-        if interrupted:
-            raise KeyboardInterrupt
+        try:
+            stop_all(self.replicas, timeout=20.0)  # a second Ctrl-C here kills the rest, then re-raises
+        finally:
+            if self.redis is not None:
+                self.redis.close()
 
 
 # ---- the trainer loop -------------------------------------------------------------------------------
-
-
-def grpo_config(cfg: DemoConfig):
-    """The trainer's part of the demo's configuration (the recipe's own config)."""
-    from maskroll.recipes.grpo import GRPOConfig
-
-    return GRPOConfig(**{f.name: getattr(cfg, f.name) for f in fields(GRPOConfig)})
 
 
 def run(cfg: DemoConfig) -> dict:
@@ -174,16 +169,17 @@ def run(cfg: DemoConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = cfg.model or out / "model"
     if cfg.model is None and not (model_dir / "config.json").exists():
-        init_model(model_dir, seed=cfg.seed)
+        init_model(model_dir, seed=cfg.grpo.seed)
     weights = (cfg.weights_dir or out / "weights").resolve()
     if cfg.spawn and weights.exists():
         shutil.rmtree(weights)  # versions restart at 1 with fresh replicas
     weights.mkdir(parents=True, exist_ok=True)
 
     t_start = time.monotonic()
+    g, mask = cfg.grpo, cfg.grpo.mask
     print(
         f"maskroll demo: {cfg.replicas} replicas (engine {cfg.engine}), trainer {cfg.trainer}, method "
-        f"{cfg.method} + {cfg.divergence} + {cfg.estimator}, {cfg.steps} steps of {cfg.batch_size} "
+        f"{mask.method} + {mask.divergence} + {mask.estimator}, {g.steps} steps of {g.batch_size} "
         f"rollouts -> {out}/",
         flush=True,
     )
@@ -196,7 +192,7 @@ def run(cfg: DemoConfig) -> dict:
 
             train = partial(trl_grpo.train, out_dir=out / "trl", weight_transport=cfg.weight_transport)
         result = train(
-            grpo_config(cfg),
+            cfg.grpo,
             redis_url=cluster.url,
             namespace=cfg.namespace,
             model_dir=model_dir,
@@ -281,74 +277,17 @@ def figure(summaries: dict[str, dict], path: Path) -> None:
 
 
 def parse(argv: list[str]) -> tuple[DemoConfig, bool]:
-    d = DemoConfig()
+    """The demo's config from its flags (one per field in FLAGS and CLUSTER_FLAGS, help from the fields'
+    docs), and whether to --compare; an invalid value exits 2 with the config's message."""
     p = argparse.ArgumentParser(prog="maskroll demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=d.out, help="output directory (summary.json, demo.png)")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--method", choices=get_args(Method), default=d.method)
-    p.add_argument("--divergence", choices=get_args(Divergence), default=d.divergence)
-    p.add_argument("--estimator", choices=get_args(Estimator), default=d.estimator)
-    p.add_argument("--delta", type=float, default=None, help="trust-region δ (default per divergence)")
-    p.add_argument("--engine", choices=get_args(Engine), default=d.engine)
-    p.add_argument(
-        "--trainer",
-        choices=get_args(Trainer),
-        default=d.trainer,
-        help="maskroll: the GRPO recipe; trl: TRL's GRPOTrainer as MaskrollGRPOTrainer (recipes/trl_grpo.py)",
-    )
-    p.add_argument("--replicas", type=int, default=d.replicas)
-    p.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step)
-    p.add_argument("--n", type=int, default=d.n, help="samples per prompt (GRPO group size)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--lr", type=float, default=d.lr)
+    add_flags(p, DemoConfig(), FLAGS)
     p.add_argument("--compare", action="store_true", help="run ppo, dppo and predictive with the same seed")
-    p.add_argument("--no-spawn", action="store_true", help="use an existing Redis and replicas")
-    p.add_argument("--redis-url", default=os.environ.get("MASKROLL_REDIS_URL"))
-    p.add_argument("--namespace", default=d.namespace)
-    p.add_argument(
-        "--weights-dir",
-        type=Path,
-        default=None,
-        help="checkpoints: the trainer's copy (stream) or the replicas' weights root (directory)",
-    )
-    p.add_argument(
-        "--weight-transport",
-        choices=get_args(WeightTransport),
-        default=d.weight_transport,
-        help="stream: push weights to the replicas over gRPC (default); directory: a shared weights root",
-    )
-    p.add_argument("--model", type=Path, default=None, help="model directory (default: <out>/model)")
+    add_flags(p, DemoConfig(), CLUSTER_FLAGS)
     a = p.parse_args(argv)
-    if a.steps < 1 or a.n < 2 or a.prompts_per_step < 1 or a.replicas < 1 or a.max_tokens < 1:
-        p.error("need steps >= 1, n >= 2 (a group needs two samples), prompts-per-step >= 1, replicas >= 1")
-    if a.no_spawn and not (a.redis_url and a.model and (a.weights_dir or a.weight_transport == "stream")):
-        p.error(
-            "--no-spawn needs --redis-url, --model and, with --weight-transport directory, --weights-dir "
-            "(the replicas' weights root)"
-        )
-    cfg = DemoConfig(
-        out=a.out,
-        steps=a.steps,
-        seed=a.seed,
-        method=a.method,
-        divergence=a.divergence,
-        estimator=a.estimator,
-        delta=a.delta,
-        engine=a.engine,
-        trainer=a.trainer,
-        replicas=a.replicas,
-        prompts_per_step=a.prompts_per_step,
-        n=a.n,
-        max_tokens=a.max_tokens,
-        lr=a.lr,
-        spawn=not a.no_spawn,
-        redis_url=a.redis_url,
-        namespace=a.namespace,
-        weights_dir=a.weights_dir,
-        model=a.model,
-        weight_transport=a.weight_transport,
-    )
+    try:
+        cfg = from_flags(DemoConfig, a, FLAGS + CLUSTER_FLAGS)
+    except ValueError as e:
+        p.error(str(e))
     return cfg, a.compare
 
 
@@ -360,8 +299,9 @@ def main(argv: list[str]) -> int:
         if compare:
             summaries = {}
             for method in ("ppo", "dppo", "predictive"):
+                grpo_cfg = replace(cfg.grpo, mask=replace(cfg.grpo.mask, method=method))
                 run_cfg = replace(
-                    cfg, method=method, out=cfg.out / method, namespace=f"{cfg.namespace}-{method}"
+                    cfg, grpo=grpo_cfg, out=cfg.out / method, namespace=f"{cfg.namespace}-{method}"
                 )
                 summaries[method] = run(run_cfg)
                 print(summary_table(summaries[method]), flush=True)
@@ -369,7 +309,7 @@ def main(argv: list[str]) -> int:
             (cfg.out / "summary.json").write_text(json.dumps(summaries, indent=2))
         else:
             summary = run(cfg)
-            figure({cfg.method: summary}, cfg.out / "demo.png")
+            figure({cfg.grpo.mask.method: summary}, cfg.out / "demo.png")
             print(summary_table(summary))
         print(f"wrote {cfg.out}/summary.json and {cfg.out}/demo.png")
         return 0

@@ -56,10 +56,7 @@ import threading
 import time
 from collections.abc import Callable
 
-# `python bench/adapter.py` puts bench/ first on sys.path, where bench/queue.py (the queue benchmark)
-# would shadow the standard library's `queue` that torch imports. Nothing here imports from bench/.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+import common
 
 CASES = {
     "a": "baseline: log_softmax + gather + PPO-clip",
@@ -283,6 +280,7 @@ def run_one(args: argparse.Namespace) -> dict:
             file=sys.stderr,
             flush=True,
         )
+    spread = common.spread(times)
     return {
         "case": args.one,
         "vocab": args.vocab,
@@ -290,8 +288,8 @@ def run_one(args: argparse.Namespace) -> dict:
         "tokens": args.tokens,
         "device": args.device,
         "compile": args.compile,
-        "time_s": statistics.median(times),
-        "time_min_s": min(times),
+        "time_s": spread["median"],
+        "time_min_s": spread["min"],
         "times_s": times,
         "user_s": statistics.median(c[0] for c in cpu),
         "sys_s": statistics.median(c[1] for c in cpu),
@@ -605,15 +603,9 @@ def verdict(rows: list[dict]) -> list[str]:
 def machine() -> dict:
     import torch
 
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
-        "cpu": cpu,
+        "cpu": common.cpu_model(),
         "cores": os.cpu_count(),
         "gpu": gpu,
         "torch": torch.__version__,
@@ -634,7 +626,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help="logits dtype (repeatable); default both",
     )
     p.add_argument("--cases", default="a,b,b',c,c'", help="comma-separated subset of a,b,b',c,c'")
-    p.add_argument("--reps", type=int, help="timed repetitions after one warm-up; default 3, with --arith 5")
+    common.add_reps(p, None, help="timed repetitions after one warm-up; default 3, with --arith 5")
     p.add_argument("--chunk-tokens", type=int, default=1024, help="MaskConfig / token_logprobs chunk")
     p.add_argument("--threads", type=int, help="torch.set_num_threads; default 2, with --arith 1")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]: where the logits and the step live")

@@ -31,13 +31,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-# `python bench/fidelity.py` puts bench/ first on sys.path, where bench/queue.py would shadow the standard
-# library's `queue` that torch imports. Keep bench/ importable for the sibling modules, but last.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE] + [_HERE]
-
-import fidelity_report  # noqa: E402
-import fidelity_stats  # noqa: E402
+import fidelity_report
+import fidelity_stats
 
 FULL_SETTINGS = (("sgd", 0.05), ("sgd", 0.1), ("sgd", 0.2), ("adam", 1e-3), ("adam", 2e-3), ("adam", 4e-3))
 QUICK_SETTINGS = (("sgd", 0.2), ("adam", 2e-3))

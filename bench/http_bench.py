@@ -22,9 +22,9 @@ chunks re-serialised (plus gRPC's 5-byte prefix), and the finished RolloutRecord
 (`wire.encode_record`). HTTP/1.1 and HTTP/2 framing are left out of both sides. Chat JSON: one
 non-streaming chat completion's body (logprobs.content entries carry `bytes` and K entries each).
 
-    python bench/http.py                         # torch engine, R = 8, T = 64, K = 20, 5 repetitions
-    python bench/http.py --engine vllm --requests 16 --tokens 128
-    python bench/http.py --json
+    python bench/http_bench.py                   # torch engine, R = 8, T = 64, K = 20, 5 repetitions
+    python bench/http_bench.py --engine vllm --requests 16 --tokens 128
+    python bench/http_bench.py --json
 """
 
 from __future__ import annotations
@@ -41,19 +41,11 @@ import tempfile
 import time
 from pathlib import Path
 
-# `python bench/http.py` puts bench/ first on sys.path, where a sibling named like a standard module
-# (bench/queue.py, this file's own name) would shadow it for httpx, torch and grpc.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
+import common
+from common import GRPC_PREFIX_BYTES, prompts
 
 TARGET_HTTP_RATIO = 0.8  # tokens/s through HTTP streaming over gRPC streaming
-GRPC_PREFIX_BYTES = 5  # gRPC length-prefixed message: 1 flag byte + 4 length bytes
 TOKEN = "bench-token-0123456789abcdef"
-
-
-def prompts(n: int) -> list[list[int]]:
-    """Distinct short byte prompts after <bos> (256), 8..23 tokens (as bench/server.py's)."""
-    return [[256, *(b"request %d: " % i), *(b"abc" * (i % 6))] for i in range(n)]
 
 
 # ---- clients (child processes) ------------------------------------------------------------------------
@@ -252,7 +244,7 @@ def summarise(runs: list[dict], sizes: dict, args, model_dir: Path, engine, star
             for p in ("grpc", "http")
         },
         "http_vs_grpc": round(
-            statistics.median(tps(by[(i, "http")]) / tps(by[(i, "grpc")]) for i in reps), 3
+            common.median_ratio([tps(by[(i, "http")]) for i in reps], [tps(by[(i, "grpc")]) for i in reps]), 3
         ),
         "bytes_per_token": {
             "openai_sse": round(h["sse_bytes"] / h["tokens"], 1),
@@ -302,12 +294,12 @@ def table(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, help="model directory (default: a fresh `maskroll init-model`)")
+    common.add_model(p)
     p.add_argument("--engine", choices=("torch", "vllm"), default="torch")
     p.add_argument("--requests", type=int, default=8, help="concurrent requests R")
     p.add_argument("--tokens", type=int, default=64, help="tokens per request T")
     p.add_argument("--k", type=int, default=20, help="top-K logprobs")
-    p.add_argument("--reps", type=int, default=5, help="repetitions (median)")
+    common.add_reps(p, 5)
     p.add_argument("--threads", type=int, default=None, help="torch engine threads")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--client", nargs=2, metavar=("KIND", "TARGET"), help=argparse.SUPPRESS)  # child
@@ -321,18 +313,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="maskroll-bench-http-") as tmp:
         if args.engine == "vllm":
-            from maskroll.server.engines.vllm_engine import default_cache_env
-
-            default_cache_env(Path(tmp) / "vllm-env")  # caches and IPC sockets of this run only
-            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-            os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the result
-            os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-        model_dir = args.model
-        if model_dir is None:
-            from maskroll.app.model_init import init_model
-
-            model_dir = init_model(Path(tmp) / "model", seed=0)
-        result = asyncio.run(bench(args, model_dir))
+            common.vllm_run_env(Path(tmp))
+        result = asyncio.run(bench(args, common.model_dir(args.model, Path(tmp))))
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0
 

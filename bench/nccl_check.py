@@ -16,22 +16,19 @@ Exit 0 with the figures, 2 when the machine lacks two CUDA devices or vLLM.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]  # bench/queue.py
+import common
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=14)
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--reps", type=int, default=3)
+    common.add_reps(p, 3, help="policy versions published (median GB/s)")
     p.add_argument("--port", type=int, default=29617, help="the NCCL rendezvous port on this host")
     a = p.parse_args(argv)
     import importlib.util
@@ -43,45 +40,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from transformers import AutoModelForCausalLM
 
-    from maskroll.app.model_init import init_model
     from maskroll.client import RolloutQueue, SamplingOptions, SyncRolloutClient
-    from maskroll.local.redis_server import LocalRedis
+    from maskroll.local.replica import LocalReplica, ReplicaStartError
     from maskroll.weight_sync.collective import CollectivePublisher
 
     with tempfile.TemporaryDirectory(prefix="maskroll-nccl-") as d:
-        model_dir = init_model(Path(d) / "model", hidden=a.hidden, heads=a.hidden // 128, layers=a.layers)
+        model_dir = common.model_dir(None, Path(d), hidden=a.hidden, heads=a.hidden // 128, layers=a.layers)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda:0")
         size = sum(t.numel() * t.element_size() for t in model.parameters())
         print(f"model: {size / 1e9:.2f} GB bf16 ({a.layers} layers, hidden {a.hidden})", flush=True)
-        with LocalRedis() as srv:
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", "MASKROLL_REDIS_URL": srv.url}
-            cmd = [sys.executable, "-m", "maskroll.app.cli", "serve", "--model", str(model_dir)]
-            cmd += [
-                "--engine",
-                "vllm",
-                "--port",
-                "0",
-                "--namespace",
-                "nccl",
-                "--pull",
-                "--replica-id",
-                "gpu-1",
-            ]
-            cmd += ["--vllm-arg", 'weight_transfer_config={"backend":"nccl"}', "--dtype", "bfloat16"]
-            log_path = Path(d) / "replica.log"
-            with open(log_path, "w") as log:
-                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        with common.open_store() as srv:
+            serve = ["--model", model_dir, "--engine", "vllm", "--port", "0", "--namespace", "nccl", "--pull"]
+            serve += ["--replica-id", "gpu-1", "--dtype", "bfloat16"]
+            serve += ["--vllm-arg", 'weight_transfer_config={"backend":"nccl"}']
+            replica = LocalReplica(
+                serve,
+                env={"CUDA_VISIBLE_DEVICES": "1", "MASKROLL_REDIS_URL": srv.url},
+                log=Path(d) / "replica.log",
+                ready_timeout=900,
+            )
             try:
-                deadline = time.monotonic() + 900
-                while "ready on" not in log_path.read_text(errors="replace"):
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        print(log_path.read_text(errors="replace")[-4000:])
-                        return 1
-                    time.sleep(1)
+                try:
+                    replica.start().wait_ready()
+                except ReplicaStartError as e:
+                    print(e)
+                    return 1
                 with RolloutQueue(srv.url, "nccl", run="new", batch_size=1) as q:
-                    while not q.replicas():
-                        time.sleep(0.2)
-                    address = q.replicas()[0].address
+                    address = common.wait_registered(q, 1)[0].address
                     pub = CollectivePublisher(q, model, master_address="127.0.0.1", master_port=a.port)
                     t0 = time.perf_counter()
                     print(f"group: {pub.connect()} in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -95,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                                 param.mul_(1.01)
                         torch.cuda.synchronize()
                         t0 = time.perf_counter()
-                        results = pub.publish(v)
+                        results = pub.publish(model, v)
                         seconds = time.perf_counter() - t0
                         with SyncRolloutClient(address) as c:
                             served = c.info().policy_version
@@ -109,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"output changed: {before != after}; median {sorted(rates)[len(rates) // 2]:.2f} GB/s"
                     )
             finally:
-                proc.terminate()
-                proc.wait(60)
+                replica.stop(timeout=60)
     return 0
 
 

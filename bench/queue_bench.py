@@ -52,33 +52,29 @@ returned the freed buffers to the kernel after every publish and the next one pa
 producer takes ~0 faults either way. --breakdown measures each side alone instead, step by step, plus the
 queue's per-record bookkeeping commands and cheaper alternatives.
 
-    .venv/bin/python bench/queue.py                  # T = 1024 (12288 records), 8192 (1024), 3 reps
-    .venv/bin/python bench/queue.py --malloc-tuned   # the same with MALLOC_TUNED in the workers
-    .venv/bin/python bench/queue.py --breakdown      # one side at a time, CPU per step and command
-    .venv/bin/python bench/queue.py --quick          # 1/8 of the records, 1 rep
-    .venv/bin/python bench/queue.py --tokens 1024 --reps 5 --json
-    .venv/bin/python bench/queue.py --profile /tmp/qprof   # cProfile (CPU time) each worker
+    .venv/bin/python bench/queue_bench.py                  # T = 1024 (12288 records), 8192 (1024), 3 reps
+    .venv/bin/python bench/queue_bench.py --malloc-tuned   # the same with MALLOC_TUNED in the workers
+    .venv/bin/python bench/queue_bench.py --breakdown      # one side at a time, CPU per step and command
+    .venv/bin/python bench/queue_bench.py --quick          # 1/8 of the records, 1 rep
+    .venv/bin/python bench/queue_bench.py --tokens 1024 --reps 5 --json
+    .venv/bin/python bench/queue_bench.py --profile /tmp/qprof   # cProfile (CPU time) each worker
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
 import os
+import platform
+import resource
+import statistics
 import sys
+import time
+import uuid
 
-# This file is named queue.py: with its folder first on sys.path (`python bench/queue.py`) it would
-# shadow the standard library's `queue`, which asyncio and multiprocessing import. Drop the folder.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import platform  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
+import common
 
 TARGET_RATIO = 0.8  # records/s through maskroll over raw redis-py (issue 14)
 SERVE_MAX_LEN = 100_000  # `maskroll serve --rollout-stream-max-len` default (ServerConfig)
@@ -814,12 +810,6 @@ def machine(url: str) -> dict:
     import redis
     from google.protobuf.internal import api_implementation
 
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     client = redis.Redis.from_url(url)
     server = client.info("server")["redis_version"]
     client.close()
@@ -830,7 +820,7 @@ def machine(url: str) -> dict:
     except ImportError:
         parser = "pure-Python (no hiredis)"
     return {
-        "cpu": cpu,
+        "cpu": common.cpu_model(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "redis_server": server,
@@ -847,7 +837,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], l
     p.add_argument("--tokens", type=int, action="append", help="T (repeatable); default 1024 and 8192")
     p.add_argument("--topk", type=int, default=20, help="K top logprobs per token")
     p.add_argument("--records", type=int, help="N records per run (rounded up to a multiple of 64)")
-    p.add_argument("--reps", type=int, default=3, help="repetitions of each mode (median reported)")
+    common.add_reps(p, 3, help="repetitions of each mode (median reported)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument(
         "--raw-client",
@@ -879,7 +869,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], l
 
 def header(info: dict, args: argparse.Namespace, token_list: list[int]) -> str:
     return (
-        f"bench/queue.py: T={token_list} K={args.topk} group={GROUP} batch={BATCH} reps={args.reps} | "
+        f"bench/queue_bench.py: T={token_list} K={args.topk} group={GROUP} batch={BATCH} reps={args.reps} | "
         f"{info['cpu']}, {info['cores']} cores, Python {info['python']}, redis-server "
         f"{info['redis_server']}, redis-py {info['redis_py']} ({info['redis_py_parser']}), protobuf "
         f"{info['protobuf']}, load {info['loadavg_start'][0]:.2f}"
@@ -934,9 +924,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
 
-    from maskroll.local.redis_server import LocalRedis
-
-    with LocalRedis() as server:
+    with common.open_store() as server:
         if args.malloc_tuned:  # after redis-server started: the workers (spawned below) inherit it
             os.environ.update(MALLOC_TUNED)
         info = machine(server.url)

@@ -20,49 +20,24 @@ whole band up, a bounded process stays in it — else "growing". Linux only (/pr
 
 from __future__ import annotations
 
-import os
-import sys
-
-# `python bench/rss_cancel.py` puts bench/ first on sys.path, where its siblings (bench/queue.py,
-# bench/http.py) would shadow standard modules; so it goes before anything else is imported. Nothing
-# here imports a sibling.
-if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
-    sys.path.pop(0)
-
 import argparse
 import asyncio
 import json
-import re
 import statistics
-import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-
-def rss_mb(pid: int) -> float:
-    text = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1)) / 1024
+import common
+from common import rss_mb
 
 
 def in_flight(metrics: str) -> float:
     body = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
     line = next(x for x in body.splitlines() if x.startswith("maskroll_generate_in_flight "))
     return float(line.split()[-1])
-
-
-def start_server(model: Path, log: Path, extra: list[str]) -> tuple[subprocess.Popen, str, str]:
-    cmd = [sys.executable, "-m", "maskroll.app.cli", "serve", "--model", str(model), "--engine", "torch",
-           "--port", "0", "--metrics-port", "0", "--threads", "1", *extra]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env)
-    line = proc.stdout.readline()
-    m = re.search(r"ready on (\S+) .*metrics http://(\S+)/metrics", line)
-    if not m:
-        proc.kill()
-        raise RuntimeError(f"no ready line: {line!r}; see {log}")
-    return proc, m.group(1), m.group(2)
 
 
 async def one_round(address: str, streams: int, chunks: int, max_tokens: int) -> int:
@@ -90,7 +65,7 @@ async def one_round(address: str, streams: int, chunks: int, max_tokens: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, help="model directory [default: a fresh `maskroll init-model`]")
+    common.add_model(p)
     p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--streams", type=int, default=200, help="cancelled streams per round")
     p.add_argument("--chunks", type=int, default=3, help="chunks each stream reads before hanging up")
@@ -100,15 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
-    with tempfile.TemporaryDirectory(prefix="maskroll-rss-") as tmp:
-        model = args.model
-        if model is None:
-            from maskroll.app.model_init import init_model
+    from maskroll.local.replica import LocalReplica
 
-            model = init_model(Path(tmp) / "tiny", seed=0)
-        proc, address, metrics = start_server(model, Path(tmp) / "serve.log", args.server_arg)
-        try:
-            rows = [{"round": 0, "rss_mb": round(rss_mb(proc.pid), 1), "tokens": 0, "seconds": 0.0}]
+    with tempfile.TemporaryDirectory(prefix="maskroll-rss-") as tmp:
+        model = common.model_dir(args.model, Path(tmp), "tiny")
+        serve = ["--model", model, "--engine", "torch", "--threads", "1"]
+        serve += ["--port", "0", "--metrics-port", "0", *args.server_arg]
+        env, log = {"OMP_NUM_THREADS": "1"}, Path(tmp) / "serve.log"
+        with LocalReplica(serve, env=env, log=log) as replica:
+            address, metrics = replica.address, replica.metrics
+            rows = [{"round": 0, "rss_mb": round(rss_mb(replica.pid), 1), "tokens": 0, "seconds": 0.0}]
             for r in range(1, args.rounds + 1):
                 t0 = time.monotonic()
                 tokens = asyncio.run(one_round(address, args.streams, args.chunks, args.max_tokens))
@@ -121,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(
                     {
                         "round": r,
-                        "rss_mb": round(rss_mb(proc.pid), 1),
+                        "rss_mb": round(rss_mb(replica.pid), 1),
                         "tokens": tokens,
                         "seconds": round(time.monotonic() - t0, 1),
                     }
@@ -129,9 +105,6 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.json:
                     row = rows[-1]
                     print(f"round {r:2d}: RSS {row['rss_mb']:7.1f} MB  ({tokens} tokens, {row['seconds']} s)")
-        finally:
-            proc.terminate()
-            proc.wait(30)
     rss = [row["rss_mb"] for row in rows[1:]]  # after each round
     warm = max(2, len(rss) // 4)
     rest = rss[warm:]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -39,21 +38,11 @@ import traceback
 import uuid
 from dataclasses import asdict, dataclass, replace
 
-# `python bench/scale.py` puts bench/ first on sys.path, where bench/queue.py would shadow the standard
-# library's queue module (multiprocessing imports it).
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+from common import open_store
+from queue_bench import BENCH_RUN, templates  # the queue benchmark's records and their run
 
 NAMESPACE = "scale"
 PUBLISHERS = 64  # publishes in flight at once in the producer process
-
-
-def _bench_queue():
-    """bench/queue.py (its record templates), loaded by path: its file name shadows a stdlib module."""
-    spec = importlib.util.spec_from_file_location("bench_queue", os.path.join(_HERE, "queue.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @dataclass(frozen=True)
@@ -90,7 +79,7 @@ async def _produce(cfg: Config, url: str, ns: str, t0: float, out) -> None:
     r, cluster = await open_redis(url)
     keys = StreamKeys(ns, cfg.partitions, cluster=cluster)
     pubs = [RolloutPublisher(r, part.rollouts, max_len=10**7) for part in keys.parts]
-    tpl = _bench_queue().templates(cfg.tokens, cfg.k, cfg.group)
+    tpl = templates(cfg.tokens, cfg.k, cfg.group)
     end = t0 + cfg.warmup + cfg.duration
     stats = {"jobs": 0, "late": 0, "publish_s": 0.0}
     # One process stands in for R replicas, each of which would have its own connection: bound the
@@ -168,7 +157,7 @@ def _consume(cfg: Config, url: str, ns: str, index: int, t0: float, ready, out) 
     ready.put(index)
     start, end = t0 + cfg.warmup, t0 + cfg.warmup + cfg.duration
     lat, records, payload = [], 0, 0
-    size = len(wire.encode_record(_bench_queue().templates(cfg.tokens, cfg.k, cfg.group)[0]))
+    size = len(wire.encode_record(templates(cfg.tokens, cfg.k, cfg.group)[0]))
     u0 = None
     while (now := time.time()) < end + 5.0:  # drain what was published in the window
         if u0 is None and now >= start:
@@ -225,16 +214,15 @@ def full_syncs(store) -> int:
 
 
 def claim_run(url: str, cfg: Config, ns: str) -> None:
-    """The run of the queue bench's record templates (bench/queue.py BENCH_RUN) owns `ns` at version 0,
-    so the trainers resume it and accept the simulated records."""
-    run_id = _bench_queue().BENCH_RUN
+    """The run of the queue bench's record templates (bench/queue_bench.py BENCH_RUN) owns `ns` at
+    version 0, so the trainers resume it and accept the simulated records."""
     from maskroll.proto.redis_conn import open_redis
     from maskroll.proto.streams import StreamKeys
 
     async def go():
         r, cluster = await open_redis(url)
         keys = StreamKeys(ns, cfg.partitions, cluster=cluster)
-        await r.hset(keys.run, mapping={"run_id": run_id, "version": "0", "started_by": "bench/scale.py"})
+        await r.hset(keys.run, mapping={"run_id": BENCH_RUN, "version": "0", "started_by": "bench/scale.py"})
         await r.aclose()
 
     asyncio.run(go())
@@ -293,16 +281,6 @@ def run_config(cfg: Config, store) -> dict:
         "record_bytes": size_bytes,
         "load_avg": os.getloadavg()[0],
     }
-
-
-def open_store(kind: str):
-    if kind == "single":
-        from maskroll.local.redis_server import LocalRedis
-
-        return LocalRedis(appendonly=False)
-    from maskroll.local.redis_cluster import LocalRedisCluster
-
-    return LocalRedisCluster(node_timeout_ms=5000)
 
 
 def table(rows: list[dict]) -> str:

@@ -48,21 +48,13 @@ import tempfile
 import time
 from pathlib import Path
 
-# `python bench/server.py` puts bench/ first on sys.path, where a sibling named like a standard module
-# (bench/queue.py) would shadow it for torch and grpc; nothing here imports a sibling.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
+import common
+from common import GRPC_PREFIX_BYTES, prompts
 
 TARGET_K_RATIO = 0.85  # tokens/s with K = K_max over K = 0
 TARGET_GRPC_RATIO = 0.9  # tokens/s through gRPC over in-process, at K = 0 and K = K_max (issue 14)
 TARGET_SERVING_US = 20.0  # serving CPU per token at K = K_max, the engine's excluded (issue 14)
 TARGET_BYTES_RATIO = 1 / 5  # wire bytes over JSON bytes
-GRPC_PREFIX_BYTES = 5  # gRPC length-prefixed message: 1 flag byte + 4 length bytes
-
-
-def prompts(n: int) -> list[list[int]]:
-    """Distinct short byte prompts after <bos> (256), 8..23 tokens."""
-    return [[256, *(b"request %d: " % i), *(b"abc" * (i % 6))] for i in range(n)]
 
 
 # ---- measurements -----------------------------------------------------------------------------------
@@ -425,9 +417,8 @@ def summarise(runs: list[dict], args, model_dir: Path, version: str, startup: fl
         return r["server_cpu_s"] / r["tokens"]
 
     def median_ratio(num: tuple[str, int], den: tuple[str, int]) -> float:
-        # Per-repetition ratios of back-to-back runs, then the median: background load drifts slowly,
-        # so pairing cancels most of it.
-        return statistics.median(tps(by[(i, *num)]) / tps(by[(i, *den)]) for i in range(args.reps))
+        reps = range(args.reps)
+        return common.median_ratio([tps(by[(i, *num)]) for i in reps], [tps(by[(i, *den)]) for i in reps])
 
     last = by[(args.reps - 1, "grpc", kmax)]
     last0 = by[(args.reps - 1, "grpc", 0)]
@@ -580,11 +571,11 @@ def table(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, help="model directory (default: a fresh `maskroll init-model`)")
+    common.add_model(p)
     p.add_argument("--requests", type=int, default=16, help="concurrent requests R")
     p.add_argument("--tokens", type=int, default=128, help="tokens per request T")
     p.add_argument("--k", type=int, default=20, help="top-K logprobs in the K > 0 runs")
-    p.add_argument("--reps", type=int, default=5, help="repetitions (median)")
+    common.add_reps(p, 5)
     p.add_argument(
         "--stream-interval",
         type=int,
@@ -639,18 +630,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     with tempfile.TemporaryDirectory(prefix="maskroll-bench-") as tmp:
-        from maskroll.server.engines.vllm_engine import default_cache_env
-
-        default_cache_env(Path(tmp) / "vllm-env")  # caches and IPC sockets of this run only
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the result
-        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-        model_dir = args.model
-        if model_dir is None:
-            from maskroll.app.model_init import init_model
-
-            model_dir = init_model(Path(tmp) / "model", seed=0)
-        result = asyncio.run(bench(args, model_dir))
+        common.vllm_run_env(Path(tmp))
+        result = asyncio.run(bench(args, common.model_dir(args.model, Path(tmp))))
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0
 

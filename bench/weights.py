@@ -26,17 +26,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-# `python bench/weights.py` puts bench/ first on sys.path, where bench/queue.py would shadow the
-# standard library's queue (which torch imports).
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+import common
+from common import rss_mb
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -52,16 +49,6 @@ def own_cpu_s() -> float:
 
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except FileNotFoundError:
-        pass
-    return 0.0
 
 
 class RssPeak:
@@ -90,41 +77,11 @@ class RssPeak:
         return [self.peak[p] - self.steady[p] for p in self.pids]
 
 
-def start_replicas(
-    model: Path, root: Path, url: str, ns: str, n: int, log_dir: Path
-) -> list[subprocess.Popen]:
-    procs = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASKROLL_REDIS_URL": url}
-    for i in range(n):
-        cmd = [
-            sys.executable,
-            "-m",
-            "maskroll.app.cli",
-            "serve",
-            "--model",
-            str(model),
-            "--engine",
-            "torch",
-        ]
-        cmd += ["--port", "0", "--threads", "1", "--namespace", ns, "--pull", "--replica-id", f"rep-{i}"]
-        cmd += ["--weights-root", str(root), "--heartbeat-ttl-s", "30", "--max-message-bytes", str(64 << 20)]
-        log = open(log_dir / f"rep-{i}.log", "w")  # noqa: SIM115 - the child holds it
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-        log.close()
-    deadline = time.monotonic() + 600
-    for i, p in enumerate(procs):
-        while "ready on" not in (log_dir / f"rep-{i}.log").read_text(errors="replace"):
-            if p.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((log_dir / f"rep-{i}.log").read_text(errors="replace")[-3000:])
-            time.sleep(0.2)
-    return procs
-
-
 def measure(n: int, reps: int, model_dir: Path, tmp: Path, chunk: int) -> dict:
     from safetensors.torch import load_file
 
     from maskroll.client import RolloutQueue
-    from maskroll.local.redis_server import LocalRedis
+    from maskroll.local.replica import stop_all
     from maskroll.weight_sync import CheckpointPublisher, StreamPublisher
 
     state = load_file(str(model_dir / "model.safetensors"))
@@ -132,12 +89,15 @@ def measure(n: int, reps: int, model_dir: Path, tmp: Path, chunk: int) -> dict:
     root = tmp / f"weights-{n}"
     root.mkdir()
     out: dict = {"replicas": n, "model_mb": model_mb, "directory": [], "stream": []}
-    with LocalRedis() as srv:
-        procs = start_replicas(model_dir, root, srv.url, f"bench{n}", n, tmp)
+    with common.open_store() as srv:
+        serve = ["--engine", "torch", "--port", "0", "--threads", "1", "--namespace", f"bench{n}", "--pull"]
+        serve += ["--weights-root", str(root), "--heartbeat-ttl-s", "30"]
+        serve += ["--max-message-bytes", str(64 << 20)]
+        env = {"OMP_NUM_THREADS": "1", "MASKROLL_REDIS_URL": srv.url}
+        procs = common.start_replicas(model_dir, n, tmp, *serve, env=env)
         try:
             with RolloutQueue(srv.url, f"bench{n}", run="new", batch_size=1) as q:
-                while len(q.replicas()) < n:
-                    time.sleep(0.1)
+                common.wait_registered(q, n)
                 pubs = {
                     "directory": CheckpointPublisher(q, root, keep=1, timeout=600),
                     "stream": StreamPublisher(q, follow_s=None, timeout=600, chunk_bytes=chunk),
@@ -171,45 +131,41 @@ def measure(n: int, reps: int, model_dir: Path, tmp: Path, chunk: int) -> dict:
                             flush=True,
                         )
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(60)
+            stop_all(procs, timeout=60)
     for kind in ("directory", "stream"):
-        s = statistics.median(x["seconds"] for x in out[kind])
+        seconds = common.spread(x["seconds"] for x in out[kind])
+        growth = common.spread(g for x in out[kind] for g in x["rss_growth_mb"])
+        s = seconds["median"]
         out[f"{kind}_median_s"] = s
-        out[f"{kind}_min_s"] = min(x["seconds"] for x in out[kind])
+        out[f"{kind}_min_s"] = seconds["min"]
         out[f"{kind}_replica_cpu_s"] = statistics.median(c for x in out[kind] for c in x["replica_cpu_s"])
         out[f"{kind}_trainer_cpu_s"] = statistics.median(x["trainer_cpu_s"] for x in out[kind])
         out[f"{kind}_steady_mb"] = statistics.median(m for x in out[kind] for m in x["steady_mb"])
         out[f"{kind}_peak_mb"] = max(
             m + g for x in out[kind] for m, g in zip(x["steady_mb"], x["rss_growth_mb"], strict=True)
         )
-        out[f"{kind}_median_rss_growth_mb"] = statistics.median(
-            g for x in out[kind] for g in x["rss_growth_mb"]
-        )
+        out[f"{kind}_median_rss_growth_mb"] = growth["median"]
         out[f"{kind}_mb_per_s_per_replica"] = model_mb / s
         out[f"{kind}_mb_per_s_aggregate"] = n * model_mb / s
-        out[f"{kind}_max_rss_growth_mb"] = max(max(x["rss_growth_mb"]) for x in out[kind])
+        out[f"{kind}_max_rss_growth_mb"] = growth["max"]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 3])
-    p.add_argument("--reps", type=int, default=3)
+    common.add_reps(p, 3, help="timed repetitions after one warm-up per transport (median and min)")
     p.add_argument("--layers", type=int, default=7)
     p.add_argument("--chunk-mib", type=float, default=None, help="stream chunk size (default: the SDK's)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    from maskroll.app.model_init import init_model
     from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES
 
     chunk = DEFAULT_CHUNK_BYTES if a.chunk_mib is None else int(a.chunk_mib * (1 << 20))
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="maskroll-wbench-") as d:
         tmp = Path(d)
-        model_dir = init_model(tmp / "model", hidden=1024, heads=16, layers=a.layers)
+        model_dir = common.model_dir(None, tmp, hidden=1024, heads=16, layers=a.layers)
         results = [measure(n, a.reps, model_dir, tmp, chunk) for n in a.replicas]
     if a.json:
         print(json.dumps(results, indent=2))

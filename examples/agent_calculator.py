@@ -34,16 +34,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import operator
 import os
 import random
-import re
-import signal
-import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -145,7 +143,7 @@ def train(args: argparse.Namespace, base_url: str, api_key: str) -> None:
     import transformers
 
     from maskroll.client import RolloutQueue
-    from maskroll.trainer_adapter import MaskConfig, collate, compute_masks, policy_loss, token_logprobs
+    from maskroll.trainer_adapter import MaskConfig, collate, compute_masks_for, policy_loss, token_logprobs
     from maskroll.weight_sync import CheckpointPublisher
 
     torch.manual_seed(0)
@@ -181,18 +179,7 @@ def train(args: argparse.Namespace, base_url: str, api_key: str) -> None:
             out = policy(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids)
             logits = out.logits[:, b.completion_logits_slice]
             lp, stats = token_logprobs(logits, b.completion_ids, temperature=b.temperature, return_stats=True)
-            res = compute_masks(
-                logits.detach(),
-                b.completion_ids,
-                b.sampled_logprobs,
-                b.topk_ids,
-                b.topk_logprobs,
-                b.advantages,
-                config=cfg,
-                temperature=b.temperature,
-                response_mask=b.response_mask,
-                vocab_stats=stats,
-            )
+            res = compute_masks_for(b, logits.detach(), config=cfg, vocab_stats=stats)
             loss, m = policy_loss(lp, b.sampled_logprobs, b.advantages, res.keep, masks=res)
             opt.zero_grad()
             loss.backward()
@@ -210,54 +197,26 @@ def train(args: argparse.Namespace, base_url: str, api_key: str) -> None:
 # ---- running it all locally ------------------------------------------------------------------------------
 
 
-def local_replica(tmp: Path, args: argparse.Namespace):
-    """A tiny model, a private Redis and one replica with HTTP; returns (base_url, api_key, stop)."""
+@contextlib.contextmanager
+def local_replica(tmp: Path, args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """A tiny model, a private Redis and one replica with HTTP; yields (base_url, api_key), then stops
+    the replica and Redis (only the processes started here)."""
     from maskroll.app.model_init import init_model
     from maskroll.local.redis_server import LocalRedis
+    from maskroll.local.replica import LocalReplica
 
     args.model = init_model(tmp / "tiny")
     args.weights_root = tmp / "ckpt"
     args.weights_root.mkdir()
-    redis = LocalRedis().__enter__()
-    args.redis_url = redis.url
     api_key = os.urandom(16).hex()
-    env = {
-        **os.environ,
-        "MASKROLL_AUTH_TOKEN": api_key,
-        "MASKROLL_REDIS_URL": redis.url,
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "maskroll.app.cli",
-        "serve",
-        "--model",
-        str(args.model),
-        "--engine",
-        "torch",
-    ]
-    cmd += ["--port", "0", "--http-port", "0", "--namespace", args.namespace, "--pull"]
-    cmd += ["--weights-root", str(args.weights_root), "--threads", "1", "--drain-timeout-s", "2"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 180
-    while True:
-        line = proc.stdout.readline()
-        if m := re.search(r"; http (\S+)\)", line):
-            break
-        if (not line and proc.poll() is not None) or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the replica did not start (exit code {proc.poll()})")
-
-    def stop() -> None:
-        proc.send_signal(signal.SIGTERM)  # only the process started here
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        redis.__exit__(None, None, None)
-
-    return m.group(1) + "/v1", api_key, stop
+    with LocalRedis() as redis:
+        args.redis_url = redis.url
+        env = {"MASKROLL_AUTH_TOKEN": api_key, "MASKROLL_REDIS_URL": redis.url, "OMP_NUM_THREADS": "1"}
+        serve = ["--model", args.model, "--engine", "torch", "--port", "0", "--http-port", "0"]
+        serve += ["--namespace", args.namespace, "--pull", "--weights-root", args.weights_root]
+        serve += ["--threads", "1", "--drain-timeout-s", "2"]
+        with LocalReplica(serve, env=env, log=tmp / "replica.log", ready_timeout=180) as replica:
+            yield replica.http_url + "/v1", api_key
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,12 +237,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--base-url needs {', '.join('--' + f.replace('_', '-') for f in missing)}")
         train(args, args.base_url, args.api_key)
         return 0
-    with tempfile.TemporaryDirectory(prefix="maskroll-agent-") as tmp:
-        base_url, api_key, stop = local_replica(Path(tmp), args)
-        try:
-            train(args, base_url, api_key)
-        finally:
-            stop()
+    with (
+        tempfile.TemporaryDirectory(prefix="maskroll-agent-") as tmp,
+        local_replica(Path(tmp), args) as (base_url, api_key),
+    ):
+        train(args, base_url, api_key)
     return 0
 
 

@@ -33,43 +33,16 @@ from maskroll.trainer_adapter import (
     MaskConfig,
     MaskResult,
     collate,
-    compute_masks,
+    compute_masks_for,
     direction_agreement,
     policy_loss,
     token_logprobs,
 )
 from maskroll.trainer_adapter.collate import Batch
-from maskroll.trainer_adapter.config import Divergence, Estimator, Method
-from maskroll.weight_sync import CheckpointPublisher, StreamPublisher
+from maskroll.weight_sync import make_publisher
 
 from . import digits
-
-
-@dataclass(frozen=True)
-class GRPOConfig:
-    steps: int = 30
-    seed: int = 0
-    method: Method = "predictive"
-    divergence: Divergence = "topk_kl"
-    estimator: Estimator = "proportional"
-    delta: float | None = None  # default per divergence (MaskConfig)
-    prompts_per_step: int = 8
-    n: int = 8  # samples per prompt (one GRPO group)
-    max_tokens: int = 16
-    logprobs_k: int = 20
-    temperature: float = 1.0
-    lr: float = 2e-3
-    max_staleness: int = 1
-    eval_prompts: int = 16
-    eval_n: int = 4
-
-    @property
-    def batch_size(self) -> int:
-        return self.prompts_per_step * self.n
-
-    def mask_config(self) -> MaskConfig:
-        kw = {} if self.delta is None else {"delta": self.delta}
-        return MaskConfig(method=self.method, divergence=self.divergence, estimator=self.estimator, **kw)
+from .config import GRPOConfig
 
 
 @dataclass
@@ -109,18 +82,8 @@ def completion_logits(model: torch.nn.Module, b: Batch) -> torch.Tensor:  # -> [
 
 
 def masks(logits: torch.Tensor, b: Batch, cfg: MaskConfig, **kw) -> MaskResult:  # logits: [B, T, V]
-    return compute_masks(
-        logits,
-        b.completion_ids,
-        b.sampled_logprobs,
-        b.topk_ids,
-        b.topk_logprobs,
-        b.advantages,
-        config=cfg,
-        temperature=b.temperature,
-        response_mask=b.response_mask,
-        **kw,
-    )
+    """`cfg`'s masks on the batch (kw: compute_masks_for's, e.g. vocab_stats); bench/fidelity_run.py too."""
+    return compute_masks_for(b, logits, config=cfg, **kw)
 
 
 def realised_agreement(model: torch.nn.Module, b: Batch, cfg: MaskConfig, before: MaskResult) -> dict:
@@ -213,7 +176,7 @@ def train(
     torch.set_num_threads(1)
     rng = random.Random(cfg.seed)
     encode = digits.encoder(model_dir)
-    mask_cfg = cfg.mask_config()
+    mask_cfg = cfg.mask
     opts = SamplingOptions(max_tokens=cfg.max_tokens, logprobs_k=cfg.logprobs_k, temperature=cfg.temperature)
     eval_prompts = [encode(p) for p in digits.held_out(cfg.eval_prompts)]
 
@@ -226,10 +189,7 @@ def train(
         redis_url, namespace, run=run, batch_size=cfg.batch_size, max_staleness=cfg.max_staleness, **auth
     ) as q:
         eval_address = wait_for_replicas(q, min_replicas)[0].address
-        if weight_transport == "stream":
-            publisher = StreamPublisher(q, save_root=weights_root, keep=2, follow_s=5.0)
-        else:
-            publisher = CheckpointPublisher(q, weights_root, keep=2)
+        publisher = make_publisher(weight_transport, q, root=weights_root, keep=2)
         publisher.start(model)  # every replica now samples from the run's current weights (and `model` too)
         reward_before = evaluate(eval_address, eval_prompts, cfg)
         print(f"  held-out reward before training: {reward_before:.3f}", flush=True)

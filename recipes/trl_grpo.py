@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
@@ -21,7 +21,8 @@ from maskroll.client import RolloutQueue, SyncRolloutClient
 from maskroll.integrations.trl import MaskrollConfig, MaskrollGRPOTrainer
 
 from . import digits
-from .grpo import GRPOConfig, StepLog, evaluate, grpc_auth, progress, wait_for_replicas
+from .config import GRPOConfig
+from .grpo import StepLog, evaluate, grpc_auth, progress, wait_for_replicas
 
 # TRL log key → StepLog field (the `maskroll/*` keys are MaskrollGRPOTrainer's)
 LOG_KEYS = {
@@ -108,7 +109,7 @@ def train(
         run="resume",
         weight_transport=weight_transport,
         weights_root=weights_root,
-        mask=cfg.mask_config(),
+        mask=cfg.mask,
         logprobs_k=cfg.logprobs_k,
         max_staleness=cfg.max_staleness,
         min_replicas=min_replicas,
@@ -160,9 +161,8 @@ def train(
         for rep in q.replicas():  # ask each replica: heartbeats refresh only every few seconds
             with SyncRolloutClient(rep.address, **auth) as c:
                 replica_versions[rep.replica_id] = c.info().policy_version
-    mask_cfg = cfg.mask_config()
     return {
-        "mask_config": {f.name: getattr(mask_cfg, f.name) for f in fields(mask_cfg)},
+        "mask_config": asdict(cfg.mask),
         "reward_before": reward_before,
         "reward_after": reward_after,
         "steps": [asdict(h) for h in history],

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# bench/ is not a package; appended last so bench/queue.py never shadows the standard library's queue.
+# bench/ is not a package: its modules import each other plainly, as under `python bench/fidelity.py`.
 sys.path.append(str(ROOT / "bench"))
 
 import fidelity  # noqa: E402

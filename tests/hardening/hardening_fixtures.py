@@ -8,12 +8,6 @@ Only processes started here are ever signalled (by their Popen object, never by 
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import select
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +16,7 @@ import grpc
 import numpy as np
 
 from maskroll.client import RolloutClient, SamplingOptions
+from maskroll.local.replica import LocalReplica
 from maskroll.proto import wire
 from maskroll.proto._generated import rollout_pb2 as pb
 from maskroll.proto._generated import rollout_pb2_grpc as pb_grpc
@@ -32,42 +27,29 @@ NORMAL = SamplingOptions(max_tokens=3, logprobs_k=2, ignore_eos=True)
 
 
 class Serve:
-    """One `maskroll serve` child process: its address, metrics address and log (stderr) on disk."""
+    """One `maskroll serve` child process (LocalReplica): its address, metrics address and log (stdout and
+    stderr) on disk."""
 
     def __init__(
         self, model_dir: Path, log: Path, *args: str, env: dict[str, str] | None = None, engine: str = "torch"
     ) -> None:
         self.log = log
         engine_args = ["--threads", "1"] if engine == "torch" else ["--enforce-eager"]
-        cmd = [
-            sys.executable, "-m", "maskroll.app.cli", "serve", "--model", str(model_dir),
-            "--engine", engine, *engine_args, "--port", "0", "--metrics-port", "0",
+        serve = [
+            "--model", str(model_dir), "--engine", engine, *engine_args, "--port", "0", "--metrics-port", "0",
             "--drain-timeout-s", "5", *args,
         ]  # fmt: skip
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=full_env
-        )
-        timeout = 180 if engine == "torch" else 600
-        deadline = time.monotonic() + timeout
-        line = self._readline(timeout=timeout)
-        while not line.startswith("maskroll serve: ready") and time.monotonic() < deadline:
-            line = self._readline(timeout=deadline - time.monotonic())  # vLLM logs to stdout too
-        m = re.search(r"ready on (\S+) .*metrics http://(\S+)/metrics", line)
-        assert m, f"unexpected ready line {line!r}; log:\n{self.log_text()}"
-        self.address, self.metrics = m.group(1), m.group(2)
-
-    def _readline(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if select.select([self.proc.stdout], [], [], 0.5)[0]:
-                return self.proc.stdout.readline()
-            if self.proc.poll() is not None:
-                break
-        raise AssertionError(f"no ready line (exit {self.proc.poll()}); log:\n{self.log_text()}")
+        self.replica = LocalReplica(serve, env={"OMP_NUM_THREADS": "1", **(env or {})}, log=log).start()
+        self.proc = self.replica.proc
+        try:
+            self.replica.wait_ready(180 if engine == "torch" else 600)
+        except BaseException:
+            self.replica.stop()
+            raise
+        self.address, self.metrics = self.replica.address, self.replica.metrics
 
     def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
+        return self.replica.log_text()
 
     def health(self) -> str:
         answered, status = check(self.address, timeout=3.0)
@@ -83,13 +65,7 @@ class Serve:
         return time.monotonic() - t0
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait(10)
+        return self.replica.stop(timeout=30)
 
 
 def request(prompt=PROMPT, **options) -> pb.GenerateRequest:

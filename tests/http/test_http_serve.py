@@ -5,11 +5,8 @@ the drain timeout, exit 0). Only the process started here is ever signalled."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,35 +14,23 @@ import httpx
 import pytest
 
 from maskroll.client import SamplingOptions, SyncRolloutClient
+from maskroll.local.replica import LocalReplica
 
 TOKEN = "serve-test-token-0123456789"
 
 
 @pytest.mark.slow
-def test_serve_with_http_port_zero_serves_both_and_drains_both_on_sigterm(tiny_model_dir):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASKROLL_AUTH_TOKEN": TOKEN}
-    cmd = [sys.executable, "-m", "maskroll.app.cli", "serve", "--model", str(tiny_model_dir)]
-    cmd += [
-        "--engine",
-        "torch",
-        "--port",
-        "0",
-        "--http-port",
-        "0",
-        "--threads",
-        "1",
-        "--drain-timeout-s",
-        "0.5",  # the stream below needs longer: the drain ends it
-    ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def test_serve_with_http_port_zero_serves_both_and_drains_both_on_sigterm(tiny_model_dir, tmp_path):
+    env = {"OMP_NUM_THREADS": "1", "MASKROLL_AUTH_TOKEN": TOKEN}
+    serve = ["--model", str(tiny_model_dir), "--engine", "torch", "--port", "0", "--http-port", "0"]
+    # --drain-timeout-s 0.5: the stream below needs longer, the drain ends it
+    serve += ["--threads", "1", "--drain-timeout-s", "0.5"]
+    replica = LocalReplica(serve, env=env, log=tmp_path / "serve.log").start()
+    proc = replica.proc
     try:
-        deadline, ready = time.monotonic() + 120, ""
-        while "ready on" not in ready:
-            ready = proc.stdout.readline()
-            assert ready or proc.poll() is None, f"serve exited with {proc.returncode}"
-            assert time.monotonic() < deadline, "not ready after 120 s"
-        m = re.search(r"ready on 127\.0\.0\.1:(\d+) .*; http (http://127\.0\.0\.1:\d+)\)", ready)
-        assert m, ready
+        replica.wait_ready(120)
+        m = re.search(r"ready on 127\.0\.0\.1:(\d+) .*; http (http://127\.0\.0\.1:\d+)\)", replica.ready_line)
+        assert m, replica.ready_line
         grpc_port, base = m.group(1), m.group(2)
         headers = {"Authorization": f"Bearer {TOKEN}"}
         with SyncRolloutClient(f"127.0.0.1:{grpc_port}", token=TOKEN) as c:
@@ -77,9 +62,7 @@ def test_serve_with_http_port_zero_serves_both_and_drains_both_on_sigterm(tiny_m
         t.join(60)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        replica.kill()
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"  # ended by the drain timeout
-    assert "stopped" in proc.stdout.read()
+    assert "stopped" in replica.log_text()

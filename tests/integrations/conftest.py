@@ -3,12 +3,7 @@ tiny model, shared by the integration tests of a module; every process started h
 
 from __future__ import annotations
 
-import os
-import re
-import signal
 import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +11,7 @@ import pytest
 
 from maskroll.app.model_init import init_model
 from maskroll.local.redis_server import LocalRedis
+from maskroll.local.replica import LocalReplica, stop_all, wait_all
 
 NAMESPACE = "trl-it"
 LOGPROBS_K = 8
@@ -32,35 +28,14 @@ class Cluster:
     logprobs_k: int = LOGPROBS_K
 
 
-def _start_replica(name: str, model_dir: Path, weights: Path, url: str, log: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "maskroll.app.cli",
-        "serve",
+def _replica(name: str, model_dir: Path, weights: Path, url: str, log: Path) -> LocalReplica:
+    args = [
         *("--model", str(model_dir), "--engine", "torch", "--port", "0", "--threads", "1"),
         *("--namespace", NAMESPACE, "--pull", "--replica-id", name, "--weights-root", str(weights)),
         *("--max-logprobs", str(LOGPROBS_K), "--heartbeat-ttl-s", "3", "--drain-timeout-s", "5"),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASKROLL_REDIS_URL": url}
-    with open(log, "w") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-
-def _wait_ready(procs: dict[str, subprocess.Popen], logs: Path, timeout: float = 180.0) -> dict[str, str]:
-    """Each replica's gRPC address, from its "ready on <address>" line."""
-    deadline = time.monotonic() + timeout
-    addresses = {}
-    for name, p in procs.items():
-        path = logs / f"{name}.log"
-        while not (found := re.search(r"ready on (\S+)", path.read_text(errors="replace"))):
-            if p.poll() is not None:
-                raise RuntimeError(f"replica {name} exited with {p.returncode}:\n{path.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"replica {name} not ready after {timeout} s")
-            time.sleep(0.2)
-        addresses[name] = found.group(1)
-    return addresses
+    env = {"OMP_NUM_THREADS": "1", "MASKROLL_REDIS_URL": url}
+    return LocalReplica(args, env=env, log=log, name=f"replica {name}")
 
 
 @pytest.fixture(scope="module")
@@ -71,20 +46,14 @@ def cluster(tmp_path_factory):
     weights.mkdir()
     logs.mkdir()
     with LocalRedis(appendonly=False, data_dir=root / "redis") as srv:
-        procs = {
-            name: _start_replica(name, model_dir, weights, srv.url, logs / f"{name}.log")
+        replicas = {
+            name: _replica(name, model_dir, weights, srv.url, logs / f"{name}.log").start()
             for name in ("rep-0", "rep-1")
         }
         try:
-            addresses = _wait_ready(procs, logs)
+            wait_all(replicas.values(), timeout=180.0)
+            procs = {name: r.proc for name, r in replicas.items()}
+            addresses = {name: r.address for name, r in replicas.items()}
             yield Cluster(model_dir, weights, srv.url, NAMESPACE, procs, addresses)
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs.values():
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            stop_all(replicas.values(), timeout=30.0)

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import re
-import select
 import signal
 import subprocess
 import sys
@@ -22,6 +20,7 @@ import numpy as np
 import pytest
 
 from maskroll.client import RecordAssembler, RolloutClient, RolloutError, SamplingOptions
+from maskroll.local.replica import LocalReplica
 
 pytestmark = pytest.mark.slow
 PROMPT = [256, 83]
@@ -29,34 +28,23 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 class Serve:
-    """A `maskroll serve` child process; only this PID is ever signalled or killed."""
+    """A `maskroll serve` child process (LocalReplica); only this PID is ever signalled or killed. env:
+    the whole environment (default: this process's)."""
 
     def __init__(self, model_dir: Path, log: Path, *args: str, engine: str = "torch", env=None) -> None:
         self.log = log
-        cmd = [sys.executable, "-m", "maskroll.app.cli", "serve", "--model", str(model_dir),
-               "--engine", engine, "--port", "0", "--metrics-port", "0", *args]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env)
-        deadline = time.monotonic() + (120 if engine == "torch" else 600)
-        line = self._readline(timeout=120)
-        while line and not line.startswith("maskroll serve: ready") and time.monotonic() < deadline:
-            line = self._readline(timeout=deadline - time.monotonic())  # vLLM logs to stdout too
-        m = re.search(r"ready on (\S+) .*metrics http://(\S+)/metrics", line)
-        assert m, f"unexpected ready line {line!r}; log:\n{log.read_text()}"
-        self.address, self.metrics = m.group(1), m.group(2)
-
-    def _readline(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if select.select([self.proc.stdout], [], [], 0.5)[0]:
-                return self.proc.stdout.readline()
-            if self.proc.poll() is not None:
-                break
-        raise AssertionError(f"no ready line (exit {self.proc.poll()}); log:\n{self.log.read_text()}")
+        serve = ["--model", str(model_dir), "--engine", engine, "--port", "0", "--metrics-port", "0", *args]
+        self.replica = LocalReplica(serve, env=env, inherit_env=env is None, log=log).start()
+        self.proc = self.replica.proc
+        try:
+            self.replica.wait_ready(120 if engine == "torch" else 600)
+        except BaseException:
+            self.stop()
+            raise
+        self.address, self.metrics = self.replica.address, self.replica.metrics
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.replica.kill()
 
 
 @pytest.fixture
