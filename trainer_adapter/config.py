@@ -26,7 +26,8 @@ class MaskConfig:
         D(μ, π) > δ and the predicted first-order change P̂ of the same D.
     divergence: the D of the proximity test (and of P̂ for "predictive").
     estimator: the tail-concentration estimator Q̂_T used by P̂ for top-K divergences.
-    delta: sets delta_low and delta_high together.
+    delta: the trust-region δ; sets delta_low and delta_high together (default per divergence: 0.05 for KL,
+        0.15 for TV).
     delta_low / delta_high: δ for tokens with A < 0 / A > 0. Default: 0.05 for KL, 0.15 for TV.
     eps_low / eps_high: PPO clip range (method "ppo" only): masked if r < 1 − eps_low (A < 0) or
         r > 1 + eps_high (A > 0), moving away.
