@@ -1,23 +1,15 @@
 """The training run that owns a namespace: its identity and version history, kept in Redis.
 
-One small hash per namespace, `maskroll:<ns>:run` (`StreamKeys.run`; docs/records.md, "Runs"):
-
-    run_id      32 hex characters, new for every run
-    version     the last policy version published in the run (0: the weights the run started from)
-    checkpoint  where that version's weights are (a directory under the replicas' weights root, or
-                "stream" when the trainer pushes them over gRPC, "collective" over NCCL);
-                "" while the run has published nothing
-    started_at, updated_at   unix seconds
-    started_by  the consumer name of the trainer that started the run
+One small hash per namespace, `maskroll:<ns>:run`: its fields and their encoding are the contract both
+sides read (`maskroll.proto.run_record`: `RunInfo`, `read_run`; docs/records.md, "Runs").
 
 A trainer either starts a new run (a new id: the namespace's prompt jobs no replica has started are
 cancelled, and records of older runs are refused as they arrive) or resumes the current one (the same
 id, continuing from `version`). Nothing mixes the two silently: opening a namespace that already has a
 run without saying which raises `RunChoiceRequired`. `advance` records each published version
 atomically, refusing a version that does not move forward and a trainer whose run was superseded by a
-newer one. The record itself (`RunInfo`, `read_run`) is the contract both sides read
-(`maskroll.proto.run_record`); this module owns what only a trainer does with it. Knows nothing of
-records, batches or replicas.
+newer one. This module owns what only a trainer does with the run; it knows nothing of records,
+batches or replicas.
 """
 
 from __future__ import annotations
