@@ -15,10 +15,20 @@ their encoding, nothing else.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 from .streams import StreamKeys
+
+MAX_RUN_ID_CHARS = 256  # as every other id a record carries (server validation.MAX_ID_CHARS)
+MAX_CHECKPOINT_CHARS = 4096  # PATH_MAX
+MAX_VERSION = (1 << 63) - 1  # policy versions are int64 on the wire
+
+
+class RunRecordError(ValueError):
+    """The run record in Redis does not hold a valid run (a field of the wrong type or out of range):
+    no replica may join it."""
 
 
 @dataclass(frozen=True)
@@ -33,16 +43,20 @@ class RunInfo:
     started_by: str = ""
 
     @classmethod
-    def from_hash(cls, h: dict) -> RunInfo:
-        """From HGETALL's reply (bytes keys and values, as the queue's client returns them)."""
+    def from_hash(cls, h: dict, key: str = "the run record") -> RunInfo:
+        """From HGETALL's reply (bytes keys and values, as the queue's client returns them). Every field
+        is checked: RunRecordError, naming `key` and the field, when one is not what a trainer writes."""
         text = {_text(k): _text(v) for k, v in h.items()}
+        run_id = _bounded(text, "run_id", MAX_RUN_ID_CHARS, key)
+        if not run_id:
+            raise RunRecordError(f"{key} has no run_id")
         return cls(
-            run_id=text.get("run_id", ""),
-            version=int(text.get("version") or 0),
-            checkpoint=text.get("checkpoint", ""),
-            started_at=float(text.get("started_at") or 0),
-            updated_at=float(text.get("updated_at") or 0),
-            started_by=text.get("started_by", ""),
+            run_id=run_id,
+            version=_version(text.get("version"), key),
+            checkpoint=_bounded(text, "checkpoint", MAX_CHECKPOINT_CHARS, key),
+            started_at=_seconds(text, "started_at", key),
+            updated_at=_seconds(text, "updated_at", key),
+            started_by=_bounded(text, "started_by", MAX_RUN_ID_CHARS, key),
         )
 
     def describe(self) -> str:
@@ -61,6 +75,40 @@ def _ago(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _shown(value: str) -> str:
+    return repr(value) if len(value) <= 40 else f"{value[:40]!r}... ({len(value)} characters)"
+
+
+def _bounded(text: dict[str, str], field: str, limit: int, key: str) -> str:
+    value = text.get(field, "")
+    if len(value) > limit or not value.isprintable():
+        raise RunRecordError(f"{key}: {field} = {_shown(value)} is not at most {limit} printable characters")
+    return value
+
+
+def _version(raw: str | None, key: str) -> int:
+    try:
+        version = int(raw or 0)
+    except ValueError:
+        version = -1
+    if not 0 <= version <= MAX_VERSION:
+        raise RunRecordError(
+            f"{key}: version = {_shown(raw or '')} is not a policy version (an integer in [0, 2^63))"
+        )
+    return version
+
+
+def _seconds(text: dict[str, str], field: str, key: str) -> float:
+    raw = text.get(field) or "0"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise RunRecordError(f"{key}: {field} = {_shown(raw)} is not a time (unix seconds)")
+    return value
+
+
 def _mapping(run: RunInfo) -> dict[str, str]:
     return {
         "run_id": run.run_id,
@@ -73,10 +121,10 @@ def _mapping(run: RunInfo) -> dict[str, str]:
 
 
 async def read_run(r, keys: StreamKeys) -> RunInfo | None:
-    """The namespace's current run, or None if it has none."""
+    """The namespace's current run, or None if it has none; RunRecordError if it is not a valid run."""
     h = await r.hgetall(keys.run)
-    return RunInfo.from_hash(h) if h else None
+    return RunInfo.from_hash(h, keys.run) if h else None
 
 
 def _text(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)

@@ -1,13 +1,17 @@
 """One replica's gRPC server: build it from a ServerConfig, run it, drain it on SIGTERM / SIGINT.
 
-`start()` starts the engine, binds the port (0 = a free one; the bound port is returned), registers the
-rollout and standard health services, serves metrics when configured, and with `redis_url` + `pull`
-consumes prompt jobs from Redis (the puller supervised: restarted with backoff after an error). A health
-monitor polls the engine and the puller every HEALTH_PERIOD_S: while either cannot serve (a dead or
-stuck engine, a prompt stream that cannot be read) both health services read NOT_SERVING, with the
-reason logged once per change. `Replica.drain()` is the graceful stop: health → NOT_SERVING, no new
-requests or jobs, in-flight streams and jobs run on for up to drain_timeout_s (streams then end with
-finish_reason "abort"; unfinished jobs stay pending in Redis for another replica), then the engine closes.
+`start()` starts the engine, binds every port first (0 = a free one; the bound port is returned; one that
+cannot be bound is a BindError before anything is served), registers the rollout and standard health
+services, serves metrics when configured, joins the namespace's training run (weights/join.py), and with
+`redis_url` + `pull` then consumes prompt jobs from Redis (the puller supervised: restarted with backoff
+after an error). Until the replica has joined its run, both health services and /readyz read NOT_SERVING
+and Generate is refused; a run record that is not valid keeps it so (said, re-checked every
+JOIN_RETRY_S) instead of crashing it. A health monitor polls the engine and the puller every
+HEALTH_PERIOD_S: while either cannot serve (a dead or stuck engine, a prompt stream that cannot be read)
+both health services read NOT_SERVING, with the reason logged once per change. `Replica.drain()` is the
+graceful stop: health → NOT_SERVING, no new requests or jobs, in-flight streams and jobs run on for up
+to drain_timeout_s (streams then end with finish_reason "abort"; unfinished jobs stay pending in Redis
+for another replica), then the engine closes.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # the asyncio HealthServicer
 
 from maskroll.proto._generated import rollout_pb2, rollout_pb2_grpc
+from maskroll.proto.run_record import RunRecordError
 from maskroll.proto.streams import StreamKeys
 
 from .auth import BearerTokenInterceptor, server_credentials
@@ -42,6 +47,8 @@ SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_na
 ABORT_GRACE_S = 5.0
 STOP_GRACE_S = 1.0
 HEALTH_PERIOD_S = 0.5  # how often the health monitor asks the engine and the puller
+JOIN_RETRY_S = 2.0  # how often a replica that could not join its run (an invalid run record) tries again
+STARTING = "starting: joining the training run"
 
 
 class BindError(OSError):
@@ -71,6 +78,8 @@ class Replica:
     _puller_task: asyncio.Task | None = None
     _health_task: asyncio.Task | None = None
     http: object | None = None  # http_server.HttpFrontEnd when http_port is set
+    _join_task: asyncio.Task | None = None  # retrying the join while the run record is invalid
+    _serving: bool = False  # what both health services say now (SERVING), until the drain
 
     def abort_all(self) -> None:
         """End every in-flight request of both front ends now (a second SIGTERM)."""
@@ -92,9 +101,10 @@ class Replica:
         self._drained = True
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         await self.health.enter_graceful_shutdown()  # NOT_SERVING for every service, permanently
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
+        for task in (self._health_task, self._join_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         self.servicer.begin_drain()
         # The HTTP front end drains beside gRPC, under the same timeout, and is closed before the engine.
         http_drain = asyncio.create_task(self.http.drain(timeout_s)) if self.http is not None else None
@@ -104,7 +114,8 @@ class Replica:
             left = await self.puller.drain(timeout_s)
             if left:
                 log.warning("drain: %d jobs unfinished; left pending in Redis for another replica", left)
-            await asyncio.gather(self._puller_task, return_exceptions=True)
+            if self._puller_task is not None:  # None: the replica never joined its run
+                await asyncio.gather(self._puller_task, return_exceptions=True)
             await self.puller.unregister()
             timeout_s = max(0.0, timeout_s - (asyncio.get_running_loop().time() - started))
         if not await self.servicer.wait_idle(timeout_s):
@@ -146,18 +157,29 @@ async def start(config: ServerConfig, engine: Engine | None = None) -> Replica:
 
 
 async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool) -> Replica:
+    """Every port is bound before anything is served; both health services and /readyz say NOT_SERVING
+    until the replica has joined its training run (server/weights/join.py), and Generate is refused
+    (UNAVAILABLE) until then: a joining replica must not sample from the weights it started with."""
     metrics = Metrics()
     redis, publisher = await _queue(config, metrics)
-    servicer = RolloutServicer(engine, config, metrics, publisher)
-    health = health_aio.HealthServicer()
-    server, port = _grpc_server(config, servicer, health, metrics)
-    await server.start()
-    for service in ("", SERVICE_NAME):
-        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
-    httpd, metrics_port = None, None
-    if config.metrics_port is not None:
-        httpd, metrics_port = metrics.serve_http(config.host, config.metrics_port)
-    puller = _puller(config, engine, redis, publisher, port) if config.pull else None
+    try:
+        servicer = RolloutServicer(engine, config, metrics, publisher)
+        servicer.not_ready = STARTING
+        health = health_aio.HealthServicer()
+        for service in ("", SERVICE_NAME):
+            await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        server, port = _grpc_server(config, servicer, health, metrics)
+    except BaseException:
+        if redis is not None:
+            await redis.aclose()
+        raise
+    try:
+        httpd, metrics_port = _metrics_server(config, metrics)
+    except BaseException:
+        await server.stop(grace=0)
+        if redis is not None:
+            await redis.aclose()
+        raise
     replica = Replica(
         config=config,
         engine=engine,
@@ -171,67 +193,135 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
         _httpd=httpd,
         redis=redis,
         keys=publisher.keys if publisher is not None else None,
-        puller=puller,
+        puller=_puller(config, engine, redis, publisher, port) if config.pull else None,
     )
-    await join_current_version(replica)  # the run's current weights before the first job (join.py)
-    if puller is not None:
-        replica._puller_task = asyncio.create_task(puller.supervise(), name="prompt-puller")
-    replica._health_task = asyncio.create_task(_watch_health(replica), name="health-monitor")
-    if config.http_port is not None:
-        replica.http = await _start_http(replica, publisher)
+    try:
+        await server.start()  # PushWeights may bring the run's version while joining
+        if config.http_port is not None:
+            replica.http = await _start_http(replica, publisher)
+        replica._health_task = asyncio.create_task(_watch_health(replica), name="health-monitor")
+        if not await _join(replica):
+            replica._join_task = asyncio.create_task(_rejoin(replica), name="join-run")
+        await _refresh_health(replica)
+    except BaseException:
+        await _abandon(replica)
+        raise
     return replica
 
 
+async def _join(replica: Replica) -> bool:
+    """Join the run (the run's current weights before the first job or request); then serve. False,
+    with the reason where health checks and refused requests show it, when the run record is invalid:
+    the replica then stays NOT_SERVING rather than serve outside the run or crash (every replica of the
+    namespace would, in a loop)."""
+    try:
+        await join_current_version(replica)
+    except RunRecordError as exc:
+        reason = (
+            f"cannot join the training run: {exc}; NOT_SERVING until the record is valid (a trainer's "
+            "run='new' rewrites it), checked every few seconds"
+        )
+        if replica.servicer.not_ready != reason:
+            log.error("%s", reason)
+        replica.servicer.not_ready = reason
+        return False
+    replica.servicer.not_ready = None
+    if replica.puller is not None and replica._puller_task is None:
+        replica._puller_task = asyncio.create_task(replica.puller.supervise(), name="prompt-puller")
+    return True
+
+
+async def _rejoin(replica: Replica) -> None:
+    while True:
+        await asyncio.sleep(JOIN_RETRY_S)
+        try:
+            if await _join(replica):
+                log.info("joined the training run; serving")
+                await _refresh_health(replica)
+                return
+        except Exception:  # Redis unreachable for a while, say: the next attempt retries
+            log.warning("joining the training run failed; retrying", exc_info=True)
+
+
+async def _abandon(replica: Replica) -> None:
+    """Undo a start that failed halfway: nothing may keep listening or running."""
+    for task in (replica._health_task, replica._join_task, replica._puller_task):
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if replica.http is not None:
+        await replica.http.stop()
+    await replica.server.stop(grace=0)
+    if replica._httpd is not None:
+        replica._httpd.shutdown()
+        replica._httpd.server_close()
+    if replica.redis is not None:
+        await replica.redis.aclose()
+
+
+def _metrics_server(config: ServerConfig, metrics: Metrics) -> tuple[object | None, int | None]:
+    """(the /metrics HTTP server, its bound port) when metrics_port is set; BindError if it cannot bind."""
+    if config.metrics_port is None:
+        return None, None
+    try:
+        return metrics.serve_http(config.host, config.metrics_port)
+    except OSError as exc:
+        where = _hostport(config.host, config.metrics_port)
+        raise BindError(f"cannot listen on {where} for metrics: {exc.strerror or exc}") from exc
+
+
 async def _start_http(replica: Replica, publisher: RolloutPublisher | None):
-    """The HTTP / OpenAI front end beside gRPC (same engine, token, TLS, limits). If it cannot start,
-    the gRPC server just started is stopped again and BindError (or the error) propagates."""
+    """The HTTP / OpenAI front end beside gRPC (same engine, token, TLS, limits); BindError (or the error)
+    if it cannot start. Its /readyz reads `problems`, as the gRPC health services do."""
     from .http_api.server import HttpFrontEnd  # fastapi and uvicorn load only when HTTP is on
 
     c = replica.config
     try:
         http = await HttpFrontEnd.create(c, replica.engine, replica.servicer, replica.metrics, publisher)
+        http.problems = lambda: problems(replica)
         await http.start()
-    except BaseException as exc:
-        if replica._health_task is not None:
-            replica._health_task.cancel()
-        await replica.server.stop(grace=0)
-        if isinstance(exc, OSError):
-            raise BindError(f"cannot listen on {_hostport(c.host, c.http_port)} for HTTP: {exc}") from exc
-        raise
+    except OSError as exc:
+        raise BindError(f"cannot listen on {_hostport(c.host, c.http_port)} for HTTP: {exc}") from exc
     return http
 
 
 def problems(replica: Replica) -> list[str]:
-    """Why the replica cannot serve now (empty: it can): the engine's and the puller's reasons."""
-    found = [replica.engine.failure()]
-    if replica.puller is not None:
+    """Why the replica cannot serve now (empty: it can): not joined its run yet, the engine's and the
+    puller's reasons."""
+    found = [replica.servicer.not_ready, replica.engine.failure()]
+    if replica.puller is not None and replica._puller_task is not None:
         found.append(replica.puller.failure())
     return [p for p in found if p]
 
 
+async def _refresh_health(replica: Replica) -> None:
+    """Set both health services to SERVING exactly when `problems` is empty (on a change only). A failing
+    check is itself a reason."""
+    try:
+        found = problems(replica)
+    except Exception as exc:
+        log.exception("health check failed")
+        found = [f"the health check failed: {type(exc).__name__}: {exc}"]
+    if replica._serving == bool(found) and not replica._drained:
+        replica._serving = not found
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if replica._serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", SERVICE_NAME):
+            await replica.health.set(service, status)
+        if replica._serving:
+            log.info("health: SERVING")
+        else:
+            log.error("health: NOT_SERVING: %s", "; ".join(found))
+
+
 async def _watch_health(replica: Replica) -> None:
     """Keep both health services at SERVING exactly while `problems` is empty (until the drain, whose
-    NOT_SERVING is final). A failing check is itself a reason: the monitor must never die silently."""
-    serving = True
+    NOT_SERVING is final). The monitor must never die silently."""
     while True:
-        try:
-            found = problems(replica)
-        except Exception as exc:
-            log.exception("health check failed")
-            found = [f"the health check failed: {type(exc).__name__}: {exc}"]
-        if serving == bool(found):
-            serving = not found
-            status = (
-                health_pb2.HealthCheckResponse.SERVING
-                if serving
-                else health_pb2.HealthCheckResponse.NOT_SERVING
-            )
-            for service in ("", SERVICE_NAME):
-                await replica.health.set(service, status)
-            if serving:
-                log.info("health: SERVING again")
-            else:
-                log.error("health: NOT_SERVING: %s", "; ".join(found))
+        await _refresh_health(replica)
         await asyncio.sleep(HEALTH_PERIOD_S)
 
 

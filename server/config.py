@@ -39,6 +39,9 @@ PLACEHOLDER_MESSAGE = (
 )
 
 
+REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url takes
+
+
 def _placeholder(secret: str) -> bool:
     low = secret.lower()
     return any(p in low for p in PLACEHOLDER_SECRETS)
@@ -228,6 +231,9 @@ class ServerConfig(BaseSettings):
     (429). Memory per session is bounded by max_session_tokens."""
     session_idle_s: float = Field(600.0, gt=0, le=7 * 86400)
     """HTTP: a session with no call for this long is dropped unpublished (the agent went away)."""
+    session_answer_mb: float = Field(64.0, ge=0, le=1 << 20)
+    """HTTP: memory for what finished sessions keep so that a retried finish gets its answer again (the
+    encoded record, 16 + 8·K bytes a token); the oldest are forgotten past it (a retry then gets 404)."""
     max_session_tokens: int = Field(32768, ge=2, le=1 << 24)
     """HTTP: tokens one session's trajectory may hold after its first prompt (every turn, tool result and
     segment); a call that would start past it is refused (400). About 16 + 8·K bytes a token."""
@@ -290,6 +296,9 @@ class ServerConfig(BaseSettings):
     """Unconsumed records the rollout stream may hold; past it the publisher waits (never trims)."""
     publish_wait_s: float = Field(600.0, gt=0)
     """How long the publisher waits for room in a full stream before leaving the job for redelivery."""
+    join_timeout_s: float = Field(300.0, ge=0, le=86400)
+    """At start-up, when the run's current version is pushed by its trainer (the streamed transport):
+    how long the replica waits for that push before it starts on its own weights."""
     advertise_address: str | None = Field(None, min_length=1)
     """host:port trainers use to reach this replica's gRPC (weight updates); default host:port."""
 
@@ -333,7 +342,18 @@ class ServerConfig(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_password(cls, v: SecretStr | None) -> SecretStr | None:
-        if v is not None and _placeholder(v.get_secret_value()):
+        if v is None:
+            return v
+        url = v.get_secret_value()
+        scheme = url.partition("://")[0].lower() if "://" in url else ""
+        if scheme not in REDIS_SCHEMES:
+            # Said now, not after a 15 s retry budget; the URL itself is not echoed (it holds the password).
+            shown = f"scheme {scheme!r}" if scheme else "no scheme"
+            raise ValueError(
+                f"redis_url must be redis://[:password@]host:port/db, rediss:// (TLS) or unix:///path "
+                f"(got a URL with {shown})"
+            )
+        if _placeholder(url):
             raise ValueError(PLACEHOLDER_MESSAGE.format(what="the password in redis_url"))
         return v
 

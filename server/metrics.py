@@ -57,6 +57,12 @@ class Metrics:
             "maskroll_pull_jobs_reclaimed", "Jobs reclaimed from replicas that went silent", registry=r
         )
         self.jobs_active = Gauge("maskroll_pull_jobs_active", "Prompt jobs being generated", registry=r)
+        # HTTP agent sessions
+        self.session_answers = Gauge(
+            "maskroll_session_answer_bytes",
+            "Bytes kept for finished sessions, so that a retried finish gets its answer again",
+            registry=r,
+        )
 
     def rpc_done(self, method: str, code: str, seconds: float) -> None:
         self.requests.labels(method, code).inc()

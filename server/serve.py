@@ -50,10 +50,12 @@ def main(argv: list[str]) -> int:
     # Until the server installs its drain handler, SIGTERM must still end the process: as PID 1 in a
     # container, a signal without a handler is ignored and the engine's start-up would run to the end.
     signal.signal(signal.SIGTERM, _exit_during_startup)
+    from maskroll.proto.redis_conn import QueueUnavailable, redact
+
     from .app import BindError, serve
 
     try:
         return asyncio.run(serve(config))
-    except BindError as exc:
-        print(f"maskroll serve: {exc}", file=sys.stderr)
+    except (BindError, QueueUnavailable) as exc:  # a port taken, Redis out of reach: said, not a traceback
+        print(f"maskroll serve: {redact(str(exc))}", file=sys.stderr)
         return 1

@@ -270,7 +270,7 @@ class Pipeline:
         engine_id: sample i runs as engine request f"{engine_id}-{i}", by default the request id; a
         caller that may run the same request twice at once must pass a unique one. run_id: the training
         run every record carries (a pull-mode job's; trainers refuse records of another run)."""
-        self._check_identity(request_id, job_id, group_id, metadata)
+        self._check_identity(request_id, job_id, group_id, metadata, run_id)
         checked = self.check(prompt_ids, options)
         return self._generation(checked, request_id, job_id, group_id, metadata, engine_id, run_id)
 
@@ -287,13 +287,15 @@ class Pipeline:
     ) -> Generation:
         """`prepare` for a prompt and options that `check` validated already (they are not validated
         again; the ids and metadata are)."""
-        self._check_identity(request_id, job_id, group_id, metadata)
+        self._check_identity(request_id, job_id, group_id, metadata, run_id)
         return self._generation(checked, request_id, job_id, group_id, metadata, engine_id, run_id)
 
     @staticmethod
-    def _check_identity(request_id: str, job_id: str, group_id: str, metadata: Mapping | None) -> None:
+    def _check_identity(
+        request_id: str, job_id: str, group_id: str, metadata: Mapping | None, run_id: str = ""
+    ) -> None:
         # An id given as both request and job id (a pull-mode job) is named once, as job_id.
-        validation.check_ids("" if request_id == job_id else request_id, job_id, group_id)
+        validation.check_ids("" if request_id == job_id else request_id, job_id, group_id, run_id)
         validation.check_metadata(metadata or {})
 
     def _generation(

@@ -58,12 +58,24 @@ class Caps:
         )
 
 
-def check_ids(request_id: str, job_id: str, group_id: str) -> None:
-    for name, value in (("request_id", request_id), ("job_id", job_id), ("group_id", group_id)):
+def check_ids(request_id: str, job_id: str, group_id: str, run_id: str = "") -> None:
+    """Ids are copied into every record, Redis key, log line and error message that names the request:
+    at most MAX_ID_CHARS printable characters each."""
+    for name, value in (
+        ("request_id", request_id),
+        ("job_id", job_id),
+        ("group_id", group_id),
+        ("run_id", run_id),
+    ):
         if len(value) > MAX_ID_CHARS:
             raise InvalidArgument(f"{name} has {len(value)} characters; at most {MAX_ID_CHARS}")
         if not value.isprintable():
             raise InvalidArgument(f"{name} {value!r} contains non-printable characters")
+
+
+def check_run_id(run_id: str) -> None:
+    """The run id of a weight update (UpdateWeights, PushWeights): the run every later record carries."""
+    check_ids("", "", "", run_id)
 
 
 def check_metadata(metadata: Mapping[str, str]) -> None:

@@ -59,15 +59,41 @@ class Unavailable(ServiceError):
     code = "UNAVAILABLE"
 
 
+# A status's message travels in a trailer, and gRPC refuses metadata over 16 KiB (the client then sees
+# RESOURCE_EXHAUSTED instead of the real error): a message quoting a long client string is cut to this.
+MAX_MESSAGE_CHARS = 2000
+SHOWN_CHARS = 64  # how much of a client's string a message quotes
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """A client's string as a message quotes it: its repr, cut after `limit` characters (with its length),
+    so that neither an error nor a log line echoes megabytes back."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def message_of(text: str) -> str:
+    """A message as a client may see it: credentials redacted (linear time, see redis_conn.redact),
+    cut to MAX_MESSAGE_CHARS, and valid UTF-8 (a lone surrogate a client sent is escaped)."""
+    text = redact(text)
+    if len(text) > MAX_MESSAGE_CHARS:  # the head and the tail: the reason often follows a quoted string
+        head, tail = MAX_MESSAGE_CHARS * 2 // 3, MAX_MESSAGE_CHARS // 3 - 40
+        cut = len(text) - head - tail
+        text = f"{text[:head]} ...({cut} characters cut)... {text[-tail:]}"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status a client sees for `exc`. Unknown exceptions are INTERNAL (and logged by the caller)."""
     if isinstance(exc, ServiceError):
-        return grpc.StatusCode[exc.code], redact(str(exc))
+        return grpc.StatusCode[exc.code], message_of(str(exc))
     if isinstance(exc, WireError):  # a payload that does not decode: the client sent it
-        return grpc.StatusCode.INVALID_ARGUMENT, redact(str(exc))
+        return grpc.StatusCode.INVALID_ARGUMENT, message_of(str(exc))
     if isinstance(exc, EngineDead):  # this replica cannot serve; another one can
-        return grpc.StatusCode.UNAVAILABLE, redact(str(exc))
-    return grpc.StatusCode.INTERNAL, redact(f"internal error: {type(exc).__name__}: {exc}")
+        return grpc.StatusCode.UNAVAILABLE, message_of(str(exc))
+    return grpc.StatusCode.INTERNAL, message_of(f"internal error: {type(exc).__name__}: {exc}")
 
 
 # Called with (method, status code name, seconds) when an RPC ends, however it ends.

@@ -35,7 +35,9 @@ from .errors import (
     InvalidArgument,
     ServiceError,
     Unavailable,
+    message_of,
     rpc_boundary,
+    shown,
 )
 
 log = logging.getLogger("maskroll.weights")
@@ -72,6 +74,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         # The training run of the weights served ("" = the starting weights, or a client without runs):
         # the version rule is per run (docs/records.md, "Runs"), and Generate's records carry it.
         self._run_id = ""
+        # Why this replica may not serve Generate yet (starting, joining its training run, an invalid
+        # run record), or None; server/app.py sets it. Weight updates are taken meanwhile.
+        self.not_ready: str | None = None
         metrics.policy_version.set(engine.policy_version)
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
@@ -83,6 +88,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         if self._running.draining:
             raise Unavailable("the server is draining; send the request to another replica")
+        if self.not_ready:
+            raise Unavailable(
+                f"this replica is not ready ({self.not_ready}); send the request to another one"
+            )
         if failure := self._engine.failure():
             raise Unavailable(
                 f"this replica's engine is out of service ({failure}); send the request to another "
@@ -128,6 +137,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context) -> pb.UpdateWeightsResponse:
         update = wire.update_from_pb(request)
         try:
+            validation.check_run_id(update.run_id)
             if self._running.draining:
                 raise Unavailable("the server is draining")
             if update.collective:
@@ -160,6 +170,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             raise InvalidArgument(str(e)) from e
         update = WeightsUpdate(version=manifest.version, checkpoint_dir="(push)", run_id=manifest.run_id)
         try:
+            validation.check_run_id(update.run_id)
             if self._running.draining:
                 raise Unavailable("the server is draining")
             self._check_version(update)
@@ -310,11 +321,24 @@ def add_raw_push_handler(servicer: RolloutServicer, server) -> None:
 
 
 def _log_refused(update: WeightsUpdate, exc: ServiceError, source=None) -> None:
+    # The run id and path are the client's: quoted cut short, as the message the client gets.
     log.warning(
         "weights: refused version %d of run %s from %s: %s %s",
         update.version,
-        update.run_id or "-",
-        source.describe() if source is not None else update.checkpoint_dir,
+        _cut(update.run_id) or "-",
+        source.describe() if source is not None else _path_of(update),
         exc.code,
-        exc,
+        message_of(str(exc)),
     )
+
+
+def _path_of(update: WeightsUpdate) -> str:
+    path = update.checkpoint_dir
+    if path is None:
+        return "an NCCL group" if update.collective else "no source"
+    return _cut(path, 256)
+
+
+def _cut(text: str, limit: int = 64) -> str:
+    """A client's string in a log line: as it is when short, else quoted and cut (errors.shown)."""
+    return text if len(text) <= limit and text.isprintable() else shown(text, limit)

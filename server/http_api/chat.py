@@ -17,12 +17,16 @@ sessions or HTTP.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import json
 import logging
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from ..grpc_api.errors import InvalidArgument
 
@@ -55,6 +59,12 @@ _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 # Tokens decoded before the new ones when detokenizing incrementally: enough context for a tokenizer
 # that drops or merges leading spaces (SentencePiece) to decode the new tokens as in the whole text.
 _DECODE_CONTEXT = 4
+# A text longer than max_model_len tokens of the vocabulary's longest token string could hold, times
+# this margin (a normalizer may compose characters: NFC, NFKC), cannot fit the context: it is refused
+# before it is tokenized. Without the bound a 15 MiB message (under the body limit) took 30 s of
+# templating and tokenization and left the process 1 GB larger, only to be refused for its length.
+TEXT_MARGIN = 4
+T = TypeVar("T")
 
 
 class ChatFormat:
@@ -69,11 +79,38 @@ class ChatFormat:
         self._special = frozenset(self.tokenizer.all_special_ids)
         self._token_text: dict[int, str] = {}
         self.turn_end = self._turn_end() if self.has_template else ""
+        # The longest token as a string (a byte-level token's string has a character per byte, so it is
+        # never shorter than the text the token stands for).
+        self.max_token_chars = max(1, max(map(len, self.tokenizer.get_vocab()), default=1))
+        self.max_text_chars: int | None = None  # set by `limit`
+        # Templating and tokenization run here, off the event loop, one call at a time (a fast
+        # tokenizer's settings are not safe to touch from two threads at once).
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="maskroll-tokenize")
+
+    def limit(self, max_model_len: int) -> None:
+        """Refuse texts that cannot fit `max_model_len` tokens before tokenizing them (TEXT_MARGIN)."""
+        self.max_text_chars = max_model_len * self.max_token_chars * TEXT_MARGIN
+
+    def check_text(self, chars: int, what: str = "prompt_token_ids") -> None:
+        """InvalidArgument, naming `what`, when `chars` characters of text cannot fit the context."""
+        if self.max_text_chars is not None and chars > self.max_text_chars:
+            raise InvalidArgument(
+                f"{what}: the text has {chars} characters, more than the model's context can hold "
+                f"(at most {self.max_text_chars} characters, for max_model_len tokens); nothing was "
+                "tokenized"
+            )
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """Run `fn(*args)` (templating, tokenization) in this tokenizer's own thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, functools.partial(fn, *args))
 
     # ---- tokens ⇄ text ---------------------------------------------------------------------------
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """Token ids of `text`; add_special_tokens adds what the tokenizer adds to a whole prompt (BOS)."""
+        """Token ids of `text`; add_special_tokens adds what the tokenizer adds to a whole prompt (BOS).
+        A text longer than the context could hold is refused first (`limit`)."""
+        self.check_text(len(text))
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -31,6 +31,23 @@ class PayloadTooLarge(ServiceError):
     http_status = 413
 
 
+class RetryLater(ServiceError):
+    """503 with Retry-After: the replica could not do it now (Redis out of reach, a full stream), but a
+    retry of the same call can succeed."""
+
+    code = "UNAVAILABLE"
+    retry_after_s = 5
+
+
+class UnsupportedMediaType(ServiceError):
+    code = "INVALID_ARGUMENT"
+    http_status = 415
+
+
+class CrossOrigin(ServiceError):
+    code = "PERMISSION_DENIED"
+
+
 class TooManySessions(ServiceError):
     code = "RESOURCE_EXHAUSTED"
     http_status = 429
@@ -67,6 +84,7 @@ _ERROR_TYPE = {
     404: "not_found_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
 }
 # The leading field name of a message ("options.top_p must be ...", "prompt_token_ids[3] = ...").

@@ -173,6 +173,8 @@ def normalize_messages(raw: list[Any]) -> list[dict]:
             raise InvalidArgument(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
         msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), i)}
         calls = m.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise InvalidArgument(f"messages[{i}].tool_calls must be a list of tool calls")
         if calls:
             msg["tool_calls"] = [_tool_call(c, i, j) for j, c in enumerate(calls)]
         for key in ("tool_call_id", "name"):

@@ -31,22 +31,26 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from maskroll.proto import wire
 from maskroll.proto.records import RolloutRecord
+from maskroll.proto.redis_conn import REDIS_DOWN
 from maskroll.proto.streams import StreamKeys
 
 from ..config import ServerConfig
 from ..engines.contract import Engine
 from ..generation import validation
 from ..generation.pipeline import Generation, Pipeline
-from ..grpc_api.errors import FailedPrecondition, InvalidArgument, Unavailable
+from ..grpc_api.errors import FailedPrecondition, InvalidArgument, Unavailable, shown
 from ..metrics import Metrics
-from ..pull.publisher import RolloutPublisher
+from ..pull.publisher import PublishTimeout, RolloutPublisher
 from ..running import Running
 from . import openai_compat as oa
 from .chat import ChatFormat, parse_tool_calls
-from .errors import NotFound
-from .sessions import Plan, Session, SessionStore
+from .errors import NotFound, RetryLater
+from .sessions import Plan, Session, SessionStore, check_id, ids_array
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# How long a session's finish waits for room in a full rollout stream (at most publish_wait_s) before it
+# answers 503: a client is waiting on the answer, not a pull-mode job that can be redelivered.
+FINISH_PUBLISH_WAIT_S = 10.0
 
 
 @dataclass
@@ -207,6 +211,10 @@ class FinishRequest(BaseModel):
     def check(self) -> None:
         if self.sample_index >= self.group_size:
             raise InvalidArgument(f"sample_index {self.sample_index} must be < group_size {self.group_size}")
+        if "session_id" in self.metadata:
+            raise InvalidArgument(
+                "metadata key 'session_id' is the replica's: the record's metadata names its session"
+            )
         validation.check_metadata(self.metadata)
 
 
@@ -221,11 +229,14 @@ class OpenAIServing:
         metrics: Metrics,
         publisher: RolloutPublisher | None,
         run_id: Callable[[], str] = str,
+        not_ready: Callable[[], str | None] = lambda: None,
     ) -> None:
         """run_id(): the training run of the weights served now (the gRPC servicer's, set by
-        UpdateWeights), which every record carries."""
+        UpdateWeights), which every record carries. not_ready(): why the replica may not serve yet
+        (joining its run), or None."""
         self.engine, self.chat, self.metrics, self.publisher = engine, chat, metrics, publisher
         self.run_id = run_id
+        self.not_ready = not_ready
         self.config = config
         self.pipeline = Pipeline(engine, config)
         self.caps = self.pipeline.caps
@@ -234,6 +245,7 @@ class OpenAIServing:
             max_sessions=config.max_sessions,
             idle_s=config.session_idle_s,
             max_tokens=config.max_session_tokens,
+            finished_bytes=int(config.session_answer_mb * (1 << 20)),
         )
         self.model_name = Path(engine.model_id).name or engine.model_id
         self._running = Running()
@@ -243,17 +255,23 @@ class OpenAIServing:
     def check_serving(self) -> None:
         if self.draining:
             raise Unavailable("the server is draining; send the request to another replica")
+        if reason := self.not_ready():
+            raise Unavailable(f"this replica is not ready ({reason}); send the request to another one")
         if failure := self.engine.failure():
             raise Unavailable(f"this replica's engine is out of service ({failure}); try another replica")
 
     def check_model(self, name: str) -> None:
         if name not in (self.model_name, self.engine.model_id):
-            raise NotFound(f"model {name!r} is not served here; GET /v1/models lists {self.model_name!r}")
+            raise NotFound(
+                f"model {shown(name)} is not served here; GET /v1/models lists {self.model_name!r}"
+            )
 
     async def prepare_chat(self, req: oa.ChatRequest, session: tuple[str, str] | None) -> Call:
         self.check_serving()
         self.check_model(req.model)
         messages, tools = oa.normalize_messages(req.messages), req.tools_active
+        # Before the template renders them: a text the context cannot hold is refused unread.
+        self.chat.check_text(_text_chars(messages), "messages")
         call = Call(
             "chat",
             oa.new_id("chatcmpl"),
@@ -275,6 +293,13 @@ class OpenAIServing:
         self.check_serving()
         self.check_model(req.model)
         prompt = req.single_prompt()
+        if isinstance(prompt, str):
+            self.chat.check_text(len(prompt), "prompt")
+        elif len(prompt) >= self.caps.max_model_len:  # before millions of ids become an array
+            raise InvalidArgument(
+                f"prompt has {len(prompt)} tokens; the model's context (max_model_len "
+                f"{self.caps.max_model_len}) leaves no room for a completion"
+            )
         call = Call(
             "completion",
             oa.new_id("cmpl"),
@@ -304,7 +329,8 @@ class OpenAIServing:
             session.busy = call.id
         call.session = session
         try:
-            plan = plan_of(session if session is not None else _Scratch())
+            # Templating and tokenization: off the event loop (their cost grows with the text).
+            plan = await self.chat.off_loop(plan_of, session if session is not None else _Scratch())
             prompt = plan.prompt_ids
             if max_tokens is None:
                 room = self.caps.max_model_len - int(prompt.size)
@@ -385,9 +411,12 @@ class OpenAIServing:
 
     async def finish_session(self, session_id: str, body: object) -> dict:
         """Close a session: its trajectory as one record, published when this replica has Redis."""
+        check_id(session_id)
         done = self.sessions.finished(session_id)
         if done is not None and session_id not in self.sessions:
-            return done  # a retried finish: the same answer, nothing published twice
+            # A retried finish: the same answer (rebuilt from the record kept), nothing published twice.
+            data, stream = done
+            return session_answer(wire.decode_record(data), session_id, stream)
         req = oa.parse_request(FinishRequest, body) if body else FinishRequest()
         s = self.sessions.get(session_id)
         if not s.turns:
@@ -407,14 +436,35 @@ class OpenAIServing:
         s.busy = "finish"  # no call may start while the record is published
         try:
             if stream is not None:
-                await self.publisher.publish([rec], stream)
+                await self._publish(rec, stream)
         finally:
             s.busy = None
         answer = session_answer(rec, session_id, stream)
-        self.sessions.close(session_id, answer)
+        # Kept for a retry: the encoded record (what the answer is rebuilt from), not the answer's JSON.
+        data = wire.encode_record(rec)
+        self.sessions.close(session_id, (data, stream), size=len(data))
+        self.metrics.session_answers.set(self.sessions.finished_held)
         return answer
 
+    async def _publish(self, rec: RolloutRecord, stream: str) -> None:
+        """Publish a session's record; a full stream or Redis out of reach is 503 with Retry-After (the
+        session stays open, so the client's retry of the finish publishes it), never a 500."""
+        wait_s = min(self.config.publish_wait_s, FINISH_PUBLISH_WAIT_S)
+        try:
+            await self.publisher.publish([rec], stream, wait_s=wait_s)
+        except PublishTimeout:
+            raise RetryLater(
+                f"rollout stream {stream} is full (its trainer is behind) or Redis is out of memory: the "
+                f"record was not published within {wait_s:g} s; the session is kept, finish it again later"
+            ) from None
+        except REDIS_DOWN as exc:
+            raise RetryLater(
+                f"Redis is unreachable ({type(exc).__name__}: {exc}); the record was not published and the "
+                "session is kept: finish it again later"
+            ) from None
+
     def delete_session(self, session_id: str) -> dict:
+        check_id(session_id)
         self.sessions.get(session_id)  # 404 / 409 as for finish
         self.sessions.close(session_id)
         return {"id": session_id, "deleted": True}
@@ -447,16 +497,17 @@ class _Scratch:
 
     def plan_completion(self, chat: ChatFormat, prompt: str | list[int]) -> Plan:
         ids = chat.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-        return Plan(_ids_array(ids), [])
+        return Plan(ids_array(ids), [])
 
 
-def _ids_array(ids: list) -> np.ndarray:
-    """Client-given ids as an array the pipeline can name bad values in (int64 holds any JSON id)."""
-    try:
-        return np.asarray(ids, np.int64)
-    except OverflowError:
-        bad = next(i for i, t in enumerate(ids) if not -(2**63) <= t < 2**63)
-        raise InvalidArgument(f"prompt_token_ids[{bad}] = {ids[bad]} is outside the vocabulary") from None
+def _text_chars(messages: list[dict]) -> int:
+    """Characters of text in normalized messages: contents, tool call names and arguments."""
+    n = 0
+    for m in messages:
+        n += len(m["content"] or "") + len(m.get("name", "")) + len(m.get("tool_call_id", ""))
+        for c in m.get("tool_calls", ()):
+            n += len(c["function"]["name"]) + len(c["function"]["arguments"]) + len(c["id"])
+    return n
 
 
 _DONE = object()

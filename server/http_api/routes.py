@@ -14,7 +14,11 @@
 
 A completion call with `X-Maskroll-Session: <id>` (and optionally `X-Maskroll-Group: <group>`) is a turn
 of that session (openai_serving, sessions). Every route but the health checks needs `Authorization:
-Bearer <token>` when the replica has one; bodies are limited to max_message_bytes (413). `boundary` is
+Bearer <token>` when the replica has one; bodies are limited to max_message_bytes (413), must say they
+are JSON (Content-Type: application/json, else 415) and may not nest deeper than MAX_JSON_DEPTH nor hold
+lone surrogates (400); a request a browser sends from another origin (its Origin header) is refused (403):
+a web page cannot make a replica on the visitor's loopback act without a CORS preflight. A non-streaming
+call whose client disconnects is aborted (`unless_disconnected`). `boundary` is
 the one place a route's exception becomes a response (http_errors: status and OpenAI's error JSON);
 a stream that fails after its first byte ends with one error event instead.
 """
@@ -26,9 +30,10 @@ import functools
 import hmac
 import json
 import logging
+import re
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -40,7 +45,15 @@ from maskroll.proto._generated import rollout_pb2 as pb
 
 from ..grpc_api.errors import InvalidArgument
 from . import openai_compat as oa
-from .errors import OPTIONS, PayloadTooLarge, RpcAbort, Unauthenticated, http_error
+from .errors import (
+    OPTIONS,
+    CrossOrigin,
+    PayloadTooLarge,
+    RpcAbort,
+    Unauthenticated,
+    UnsupportedMediaType,
+    http_error,
+)
 
 if TYPE_CHECKING:
     from .openai_serving import Call
@@ -52,6 +65,8 @@ SESSION_HEADER = "x-maskroll-session"
 GROUP_HEADER = "x-maskroll-group"
 SSE = "text/event-stream"
 NDJSON = "application/x-ndjson"
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+T = TypeVar("T")
 
 
 def _fields(names, **renames: str) -> dict[str, str]:
@@ -83,6 +98,129 @@ class _Context:
         return None
 
 
+def _json_content_type(request: Request) -> None:
+    """A request body must say it is JSON. A browser sends text/plain, form and multipart bodies across
+    origins without asking first (no CORS preflight): a web page could otherwise make a replica on the
+    visitor's loopback load weights or publish a session."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise UnsupportedMediaType(
+            f"the request body must be JSON with Content-Type: application/json (got {media or 'none'!r})"
+        )
+
+
+MAX_JSON_DEPTH = 64  # deeper than any request of this API nests (tools' JSON schemas included)
+_SCALARS = frozenset({int, float, bool, type(None)})
+# JSON's escape of a UTF-16 surrogate (\\ud800-\\udfff), or the raw bytes of one (json.loads decodes a
+# body with "surrogatepass"): only a body that has one can hold a lone surrogate.
+_SURROGATE = re.compile(rb"\\[uU][dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")
+
+
+def _check_body(obj: object, body: bytes | bytearray) -> None:
+    """What json.loads accepted but no later step takes, refused (400) before anything reads it: lone
+    UTF-16 surrogates (JSON's \\ud800 escape), which no tokenizer, template or response encoder takes,
+    and nesting deeper than MAX_JSON_DEPTH (templates, pydantic and encoders recurse). Iterative, so a
+    deep body cannot overflow the stack here; lists of numbers (prompt ids) are passed over in C."""
+    strings = _SURROGATE.search(body) is not None
+    stack: list[tuple[object, object, int, tuple | None]] = [(obj, None, 0, None)]
+    while stack:
+        entry = stack.pop()
+        value, _, depth, _ = entry
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidArgument(
+                    f"{_path(entry) or 'the request body'}: the text holds a lone surrogate "
+                    f"({value[exc.start]!r} at character {exc.start}), which is not valid Unicode"
+                ) from None
+            continue
+        if isinstance(value, dict):
+            items = value.items()
+            if not strings:
+                items = ((k, v) for k, v in items if type(v) in (dict, list))
+            children = [(v, k, depth + 1, entry) for k, v in items]
+            if strings:
+                children += [(k, k, depth + 1, entry) for k in value]
+        elif isinstance(value, list):
+            types = set(map(type, value))
+            if types <= _SCALARS or (types == {str} and (not strings or _encodes("".join(value)))):
+                continue  # numbers, or texts that are all valid: nothing to look into one by one
+            if types == {str}:  # one of them is not valid text: find it
+                bad = next(i for i, v in enumerate(value) if not _encodes(v))
+                stack.append((value[bad], bad, depth + 1, entry))
+                continue
+            children = [
+                (v, i, depth + 1, entry)
+                for i, v in enumerate(value)
+                if type(v) in (dict, list) or (strings and type(v) is str)
+            ]
+        else:
+            continue
+        if depth >= MAX_JSON_DEPTH and any(type(c[0]) in (dict, list) for c in children):
+            raise InvalidArgument(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep")
+        stack.extend(children)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path(entry: tuple) -> str:
+    """messages[0].content: where a value sits in the body (from its chain of parents)."""
+    parts: list[str] = []
+    while entry is not None and entry[3] is not None:
+        key = entry[1]
+        name = str(key)[:40].encode("utf-8", "backslashreplace").decode()
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{name}")
+        entry = entry[3]
+    return "".join(reversed(parts)).lstrip(".")
+
+
+def _same_origin(request: Request) -> None:
+    """A browser names the page that sent a request in Origin: a replica serves no pages, so a request
+    from one (a cross-site POST with no body needs no preflight either) is refused. Clients that are not
+    browsers send no Origin."""
+    origin = request.headers.get("origin")
+    if origin is None:
+        return
+    host = request.headers.get("host", "")
+    if origin.lower().partition("://")[2].rstrip("/") != host.lower():
+        raise CrossOrigin(
+            f"cross-origin requests are refused (Origin {origin[:100]!r}); this replica serves API "
+            "clients, not web pages"
+        )
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (its body already read: the server's next ASGI message for
+    this request is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; if the client disconnects first, `work` is cancelled (a generation's engine
+    requests are aborted: nobody would read the answer, and an agent's retry of a session call would
+    meet the orphan's 409 until it ended) and ClientDisconnect raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnect()
+    return task.result()
+
+
 def build_app(front: HttpFrontEnd) -> FastAPI:
     app = FastAPI(title="maskroll", docs_url=None, redoc_url=None, openapi_url=None)
     serving, config, metrics = front.serving, front.config, front.metrics
@@ -98,6 +236,8 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
 
     async def read_json(request: Request) -> object:
         limit = config.max_message_bytes
+        if request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers:
+            _json_content_type(request)
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > limit:
             raise PayloadTooLarge(f"request body of {length} bytes is larger than max_message_bytes {limit}")
@@ -109,9 +249,15 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
         if not body:
             return None
         try:
-            return json.loads(body)
+            obj = json.loads(body)
         except ValueError as exc:
             raise InvalidArgument(f"the request body is not JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidArgument(
+                f"the request body is nested more than {MAX_JSON_DEPTH} levels deep"
+            ) from None
+        _check_body(obj, body)
+        return obj
 
     def boundary(method: str, fields: dict[str, str] | None = None, open_: bool = False) -> Callable:
         """A route: authorize, run, turn any exception into its status and OpenAI error JSON, count it."""
@@ -121,6 +267,8 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
             async def route(request: Request) -> Response:
                 t0, code = time.perf_counter(), "OK"
                 try:
+                    if request.method not in SAFE_METHODS:
+                        _same_origin(request)
                     if not open_:
                         authorize(request)
                     response = await fn(request)
@@ -138,7 +286,9 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
                     code = body["error"]["code"].upper()
                     if status >= 500 and status != 503:
                         log.error("%s failed", method, exc_info=exc)
-                    return JSONResponse(body, status_code=status)
+                    retry = getattr(exc, "retry_after_s", None)
+                    headers = {"Retry-After": str(retry)} if retry else None
+                    return JSONResponse(body, status_code=status, headers=headers)
                 finally:
                     if code != "STREAM":
                         metrics.rpc_done(method, code, time.perf_counter() - t0)
@@ -214,10 +364,10 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
     @app.get("/readyz")
     @boundary("http:readyz", open_=True)
     async def readyz(request: Request) -> Response:
-        failure = serving.engine.failure()
-        if serving.draining or failure:
-            reason = "draining" if serving.draining else f"engine out of service: {failure}"
-            return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+        # The same rule as the gRPC health services (server/app.py `problems`): they must agree.
+        found = ["draining"] if serving.draining else front.problems()
+        if found:
+            return JSONResponse({"status": "not ready", "reason": "; ".join(found)}, status_code=503)
         return JSONResponse({"status": "ready"})
 
     # ---- native API: the gRPC service as JSON ----------------------------------------------------
@@ -277,12 +427,14 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
             raise InvalidArgument("X-Maskroll-Group must be at most 256 printable characters")
         return sid, group
 
-    async def respond(call: Call, req, response_of, stream_of, method: str, fields) -> Response:
+    async def respond(
+        request: Request, call: Call, req, response_of, stream_of, method: str, fields
+    ) -> Response:
         try:
             if req.stream:
                 events = await started(stream_of(call, serving.run(call), serving.chat))
                 return stream(method, events, SSE, True, fields, on_close=call.close)
-            await serving.collect(call)
+            await unless_disconnected(request, serving.collect(call))
             return JSONResponse(response_of(call, serving.chat))
         except BaseException:
             call.close()
@@ -294,7 +446,13 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
         req = oa.parse_request(oa.CompletionRequest, await read_json(request))
         call = await serving.prepare_completion(req, session_of(request))
         return await respond(
-            call, req, oa.completion_response, oa.completion_stream, "http:completions", COMPLETION_FIELDS
+            request,
+            call,
+            req,
+            oa.completion_response,
+            oa.completion_stream,
+            "http:completions",
+            COMPLETION_FIELDS,
         )
 
     @app.post("/v1/chat/completions")
@@ -303,7 +461,7 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
         req = oa.parse_request(oa.ChatRequest, await read_json(request))
         call = await serving.prepare_chat(req, session_of(request))
         return await respond(
-            call, req, oa.chat_response, oa.chat_stream, "http:chat.completions", CHAT_FIELDS
+            request, call, req, oa.chat_response, oa.chat_stream, "http:chat.completions", CHAT_FIELDS
         )
 
     # ---- agent sessions --------------------------------------------------------------------------

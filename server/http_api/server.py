@@ -15,6 +15,7 @@ import contextlib
 import logging
 import socket
 import sys
+from collections.abc import Callable
 
 import uvicorn
 
@@ -59,7 +60,20 @@ class HttpFrontEnd:
     ) -> None:
         self.config, self.servicer, self.metrics = config, servicer, metrics
         # The run of the weights served is the servicer's (UpdateWeights sets it, over gRPC or HTTP).
-        self.serving = OpenAIServing(engine, config, chat, metrics, publisher, lambda: servicer.info().run_id)
+        self.serving = OpenAIServing(
+            engine,
+            config,
+            chat,
+            metrics,
+            publisher,
+            lambda: servicer.info().run_id,
+            not_ready=lambda: servicer.not_ready,
+        )
+        # Why the replica is not ready (/readyz): server/app.py sets the replica's own rule, which the
+        # gRPC health services follow too; by default the servicer's and the engine's reasons.
+        self.problems: Callable[[], list[str]] = lambda: [
+            p for p in (servicer.not_ready, engine.failure()) if p
+        ]
         self.app = build_app(self)
         self.port: int | None = None
         self._server: _Server | None = None
@@ -77,6 +91,7 @@ class HttpFrontEnd:
     ) -> HttpFrontEnd:
         # transformers' import and the tokenizer load take seconds: off the event loop.
         chat = await asyncio.to_thread(ChatFormat, config.model)
+        chat.limit(engine.limits.max_model_len)  # texts the context cannot hold are refused untokenized
         return cls(config, engine, servicer, metrics, publisher, chat)
 
     @property

@@ -41,7 +41,12 @@ from .chat import ChatFormat
 from .errors import NotFound, TooManySessions
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
-FINISHED_MEMORY = 1024  # finished sessions whose answer a retried finish gets again
+# Finished sessions whose answer a retried finish gets again: at most this many, and at most
+# ServerConfig.session_answer_mb of what is kept for them (the encoded record the answer is rebuilt from:
+# 16 + 8·K bytes a token, 5 MB for 32k tokens at K = 20). Bounded by count alone, 1024 answers in JSON
+# could hold tens of GB.
+FINISHED_MEMORY = 1024
+FINISHED_MEMORY_BYTES = 64 << 20
 
 
 @dataclass
@@ -106,20 +111,23 @@ class Session:
         else:
             ids = list(prompt)
         if not self.turns:
-            return Plan(np.asarray(ids, np.int64), [])  # int64: the pipeline names an out-of-range id
+            return Plan(ids_array(ids), [])
         return self._by_tokens(ids)
 
     def _by_tokens(self, ids: list[int]) -> Plan:
         cur = self.current()
         if ids[: len(cur)] == cur:
-            return Plan(np.asarray(ids, np.int64), ids[len(cur) :])
-        return Plan(np.asarray(ids, np.int64), list(ids), new_segment=True)
+            return Plan(ids_array(ids), ids[len(cur) :])
+        return Plan(ids_array(ids), list(ids), new_segment=True)
 
     def _kind(self, kind: str) -> None:
+        """The first call fixes the session's kind: a chat trajectory and a completion trajectory have
+        nothing in common (a refused first call leaves no session behind to hold it)."""
         if self.kind and self.kind != kind:
             raise InvalidArgument(
                 f"X-Maskroll-Session {self.id!r} holds {self.kind} calls; one session is one kind of call"
             )
+        self.kind = kind
 
     def check_call(self, plan: Plan, options: SamplingOptions, max_tokens: int) -> None:
         """A call may continue this session: one sample, the session's sampling semantics, and room."""
@@ -250,12 +258,16 @@ class SessionStore:
         max_sessions: int,
         idle_s: float,
         max_tokens: int,
+        finished_bytes: int = FINISHED_MEMORY_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_sessions, self.idle_s, self.max_tokens = max_sessions, idle_s, max_tokens
+        self.finished_bytes = finished_bytes  # the budget of what finished sessions keep
         self._clock = clock
         self._sessions: dict[str, Session] = {}
-        self._finished: OrderedDict[str, dict] = OrderedDict()  # id -> the finish answer
+        # id -> (what a retried finish is answered from, its size in bytes), oldest first
+        self._finished: OrderedDict[str, tuple[object, int]] = OrderedDict()
+        self._finished_bytes = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -274,7 +286,7 @@ class SessionStore:
                     f"this replica holds {len(self._sessions)} sessions (max_sessions); finish or delete "
                     "some, wait for idle ones to expire, or use another replica"
                 )
-            self._finished.pop(session_id, None)  # the id names a new episode now
+            self._forget_finished(session_id)  # the id names a new episode now
             s = self._sessions[session_id] = Session(session_id, group_id, self._clock())
         elif group_id and group_id != s.group_id:
             raise InvalidArgument(
@@ -296,18 +308,33 @@ class SessionStore:
             raise AlreadyExists(f"session {session_id!r} has a call running; finish it after the call ends")
         return s
 
-    def finished(self, session_id: str) -> dict | None:
-        """The answer of a session finished recently (a retried finish gets it again), or None."""
-        return self._finished.get(session_id)
+    @property
+    def finished_held(self) -> int:
+        """Bytes kept now for finished sessions' retries."""
+        return self._finished_bytes
 
-    def close(self, session_id: str, answer: dict | None = None) -> bool:
-        """Forget a session; with `answer`, remember it for a retried finish. Whether it existed."""
+    def finished(self, session_id: str) -> object | None:
+        """What was kept of a session finished recently (a retried finish is answered from it), or None."""
+        kept = self._finished.get(session_id)
+        return None if kept is None else kept[0]
+
+    def close(self, session_id: str, answer: object | None = None, size: int = 0) -> bool:
+        """Forget a session; with `answer` (`size` bytes), remember it for a retried finish, within
+        FINISHED_MEMORY entries and `finished_bytes` (the oldest go first). Whether it existed."""
         existed = self._sessions.pop(session_id, None) is not None
-        if answer is not None:
-            self._finished[session_id] = answer
-            while len(self._finished) > FINISHED_MEMORY:
-                self._finished.popitem(last=False)
+        self._forget_finished(session_id)
+        if answer is not None and size <= self.finished_bytes:
+            self._finished[session_id] = (answer, size)
+            self._finished_bytes += size
+            while len(self._finished) > FINISHED_MEMORY or self._finished_bytes > self.finished_bytes:
+                _, (_, old) = self._finished.popitem(last=False)
+                self._finished_bytes -= old
         return existed
+
+    def _forget_finished(self, session_id: str) -> None:
+        kept = self._finished.pop(session_id, None)
+        if kept is not None:
+            self._finished_bytes -= kept[1]
 
     def discard(self, session: Session) -> None:
         """Forget `session` if it is still the one stored under its id (no finish answer kept)."""
@@ -321,6 +348,16 @@ class SessionStore:
         for sid in old:
             del self._sessions[sid]
         return len(old)
+
+
+def ids_array(ids: list) -> np.ndarray:
+    """Token ids as an array the pipeline can name bad values in (int64 holds any id it can name; a
+    client's id past int64, such as 2**70, is refused here)."""
+    try:
+        return np.asarray(ids, np.int64)
+    except OverflowError:
+        bad = next(i for i, t in enumerate(ids) if not -(2**63) <= t < 2**63)
+        raise InvalidArgument(f"prompt_token_ids[{bad}] = {ids[bad]} is outside the vocabulary") from None
 
 
 def check_id(session_id: str) -> None:

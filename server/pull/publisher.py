@@ -57,12 +57,16 @@ class RolloutPublisher:
         self.poll_s = poll_s
         self._seen: dict[str, int] = {}  # stream -> its length right after our last publish to it
 
-    async def publish(self, records: Sequence[RolloutRecord], stream: str | None = None) -> list[bytes]:
-        """XADD all records of one job in one transaction (all or none); returns their entry ids."""
+    async def publish(
+        self, records: Sequence[RolloutRecord], stream: str | None = None, *, wait_s: float | None = None
+    ) -> list[bytes]:
+        """XADD all records of one job in one transaction (all or none); returns their entry ids.
+        wait_s: how long to wait for room in a full stream (default: wait_timeout_s), then PublishTimeout."""
         stream = stream or self.stream
         payloads = [wire.encode_record(r) for r in records]
         started = time.monotonic()
-        deadline = started + self.wait_timeout_s
+        wait_s = self.wait_timeout_s if wait_s is None else wait_s
+        deadline = started + wait_s
         while True:
             seen = self._seen.pop(stream, None)  # used once: a wait or an error starts from a fresh XLEN
             if (seen is not None and seen + len(payloads) <= self.max_len // 2) or (
@@ -87,7 +91,7 @@ class RolloutPublisher:
                 self.metrics.publish_failures.inc()
                 raise PublishTimeout(
                     f"rollout stream {stream} stayed full ({self.max_len} unconsumed entries or Redis OOM) "
-                    f"for {self.wait_timeout_s} s; the job stays pending for redelivery"
+                    f"for {wait_s} s; the job stays pending for redelivery"
                 )
             self.metrics.backpressure.inc()
             await asyncio.sleep(self.poll_s)

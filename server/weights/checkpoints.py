@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engines.contract import Engine
-from ..grpc_api.errors import InvalidArgument, PermissionDenied, ServiceError
+from ..grpc_api.errors import InvalidArgument, PermissionDenied, ServiceError, shown
 
 SUFFIX = ".safetensors"
+MAX_PATH_CHARS = 4096  # PATH_MAX: a longer checkpoint.path names no file
 
 
 @dataclass(frozen=True)
@@ -72,26 +73,29 @@ def resolve_checkpoint(path: str, root: Path | None) -> Checkpoint:
         raise PermissionDenied("UpdateWeights is disabled: the server was started without a weights_root")
     if not path:
         raise InvalidArgument("checkpoint.path is empty")
+    if len(path) > MAX_PATH_CHARS:
+        raise InvalidArgument(f"checkpoint.path has {len(path)} characters; at most {MAX_PATH_CHARS}")
     if "\x00" in path:
         raise InvalidArgument("checkpoint.path contains a NUL byte")
     real_root = os.path.realpath(root)
     real = os.path.realpath(os.path.join(real_root, path))  # join keeps `path` when it is absolute
     if not _under(real, real_root):
         raise PermissionDenied(
-            f"checkpoint.path {path!r} is not under the server's weights_root {str(root)!r}"
+            f"checkpoint.path {shown(path, 256)} is not under the server's weights_root {str(root)!r}"
         )
     if not os.path.isdir(real):
-        raise InvalidArgument(f"checkpoint.path {path!r} is not a directory")
+        raise InvalidArgument(f"checkpoint.path {shown(path, 256)} is not a directory")
     names = _safetensors_names(real)
     if not names:
-        raise InvalidArgument(f"checkpoint.path {path!r} contains no *.safetensors files")
+        raise InvalidArgument(f"checkpoint.path {shown(path, 256)} contains no *.safetensors files")
     files = []
+    shown_path = shown(path, 256)
     for name in names:
         target = os.path.realpath(os.path.join(real, name))
         if not _under(target, real_root):
-            raise PermissionDenied(f"checkpoint.path {path!r}: {name} links outside the weights_root")
+            raise PermissionDenied(f"checkpoint.path {shown_path}: {name} links outside the weights_root")
         st = os.stat(target)  # never opens: a FIFO is only looked at
-        _regular(st, f"checkpoint.path {path!r}: {name}")
+        _regular(st, f"checkpoint.path {shown_path}: {name}")
         files.append(CheckedFile(name, Path(target), st.st_dev, st.st_ino))
     return Checkpoint(Path(real), tuple(files))
 

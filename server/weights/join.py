@@ -10,7 +10,7 @@ the trainer would refuse as stale anyway, wasting the samples):
 - `checkpoint` is "stream" (the streamed transport: only the trainer holds the weights): the replica
   registers its heartbeat and waits for the trainer's publisher to push the current version
   (weight_sync/stream.py: its follower pushes to every live replica not serving it), up to
-  `MASKROLL_JOIN_TIMEOUT_S` seconds (default 300).
+  `join_timeout_s` seconds (--join-timeout-s / MASKROLL_JOIN_TIMEOUT_S, default 300).
 - `checkpoint` is "collective" (NCCL through vLLM's weight-transfer engine): the trainer's group was
   formed before this replica existed and cannot take it in, so nothing can bring it the version now;
   it says so and starts on its own weights.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 
 from maskroll.proto.records import WeightsUpdate
@@ -41,12 +40,7 @@ log = logging.getLogger("maskroll.weights")
 # import weight_sync)
 STREAM_RECORD = "stream"
 COLLECTIVE_RECORD = "collective"
-JOIN_TIMEOUT_ENV = "MASKROLL_JOIN_TIMEOUT_S"
 POLL_S = 0.2
-
-
-def join_timeout() -> float:
-    return float(os.environ.get(JOIN_TIMEOUT_ENV) or 300.0)
 
 
 def _current(servicer, run: RunInfo) -> bool:
@@ -96,7 +90,7 @@ async def _wait_for_push(replica, keys: StreamKeys, run: RunInfo) -> None:
             run.version,
         )
         return
-    timeout = join_timeout()
+    timeout = replica.config.join_timeout_s
     log.info(
         "weights: run %s is at version %d (streamed); registered, waiting up to %.0f s for its push",
         run.run_id,

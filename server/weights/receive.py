@@ -39,12 +39,13 @@ import numpy as np
 from maskroll.proto import wire
 from maskroll.proto.tensor_push import WeightsManifest
 
-from ..grpc_api.errors import FailedPrecondition, InvalidArgument
+from ..grpc_api.errors import FailedPrecondition, InvalidArgument, shown
 
 FILE_NAME = "model.safetensors"
 SPOOL_ENV = "MASKROLL_WEIGHTS_SPOOL"
 DISK_MARGIN = 64 << 20  # bytes the spool's filesystem keeps free after a push is written
 MEMORY_MARGIN = 256 << 20  # bytes left free after a push is received into memory (checks, the cast)
+MAX_TENSOR_NAME_CHARS = 1024  # a model's parameter names are a few dozen characters
 
 
 def spool_root() -> Path:
@@ -144,17 +145,44 @@ class _Writer:
         self.finish()
 
 
-def check_manifest(manifest: WeightsManifest, spool: Path) -> None:
+# Bytes promised to pushes being received now, by where they go ("memory", or the spool's filesystem):
+# a push's check counts what the others will still write, so two concurrent pushes that each fit the
+# free space but not together are not both accepted (the second is refused before it receives a byte).
+# Only the event loop touches it. A push's reservation ends when it is received (its bytes are then in
+# the free-space figures) or refused.
+_reserved: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def reserved(where: str, nbytes: int, free: int | None, margin: int, place: str, advice: str):
+    """Hold `nbytes` of `where` for the block; FailedPrecondition naming `place` and `advice` if they do
+    not fit `free` (None: unknown, nothing checked) less the margin and what other pushes hold."""
+    held = _reserved.get(where, 0)
+    if free is not None and nbytes + margin + held > free:
+        others = f", {held} of them reserved by pushes being received now" if held else ""
+        raise FailedPrecondition(
+            f"the pushed weights ({nbytes} bytes) do not fit in {place} ({free} bytes{others}); {advice}"
+        )
+    _reserved[where] = held + nbytes
+    try:
+        yield
+    finally:
+        _reserved[where] -= nbytes
+        if not _reserved[where]:
+            del _reserved[where]
+
+
+def check_manifest(manifest: WeightsManifest) -> None:
+    for t in manifest.tensors:
+        if len(t.name) > MAX_TENSOR_NAME_CHARS:
+            raise InvalidArgument(
+                f"PushWeights manifest: tensor {shown(t.name)}: the name has {len(t.name)} characters; "
+                f"at most {MAX_TENSOR_NAME_CHARS}"
+            )
     try:
         manifest.check()
     except ValueError as e:
         raise InvalidArgument(f"PushWeights manifest: {e}") from e
-    free = shutil.disk_usage(spool).free
-    if manifest.total_bytes + DISK_MARGIN > free:
-        raise FailedPrecondition(
-            f"the pushed weights ({manifest.total_bytes} bytes) do not fit in the spool {str(spool)!r} "
-            f"({free} bytes free); give the replica more local disk or set {SPOOL_ENV}"
-        )
 
 
 async def receive(manifest: WeightsManifest, rest: AsyncIterator, spool: Path | None = None) -> Path:
@@ -163,8 +191,16 @@ async def receive(manifest: WeightsManifest, rest: AsyncIterator, spool: Path | 
     (`discard`). On any error — including cancellation, a dropped connection — the directory is gone."""
     spool = spool or spool_root()
     spool.mkdir(parents=True, exist_ok=True)
-    check_manifest(manifest, spool)
-    directory = Path(tempfile.mkdtemp(prefix=f"push-v{manifest.version}-", dir=spool))
+    check_manifest(manifest)
+    place, advice = f"the spool {str(spool)!r}", f"give the replica more local disk or set {SPOOL_ENV}"
+    free = shutil.disk_usage(spool).free
+    with reserved(f"disk:{os.stat(spool).st_dev}", manifest.total_bytes, free, DISK_MARGIN, place, advice):
+        directory = Path(tempfile.mkdtemp(prefix=f"push-v{manifest.version}-", dir=spool))
+        await _receive_file(manifest, rest, directory)
+    return directory
+
+
+async def _receive_file(manifest: WeightsManifest, rest: AsyncIterator, directory: Path) -> None:
     try:
         with open(directory / FILE_NAME, "wb") as f:
             f.write(safetensors_header(manifest))
@@ -175,7 +211,6 @@ async def receive(manifest: WeightsManifest, rest: AsyncIterator, spool: Path | 
         # clean-up would be cancelled with it. Unlinking one file takes milliseconds.
         discard(directory)
         raise
-    return directory
 
 
 def memory_available() -> int | None:
@@ -204,16 +239,13 @@ async def receive_tensors(manifest: WeightsManifest, rest: AsyncIterator) -> dic
 
     from .checkpoints import torch_dtype
 
-    try:
-        manifest.check()
-    except ValueError as e:
-        raise InvalidArgument(f"PushWeights manifest: {e}") from e
-    free = memory_available()
-    if free is not None and manifest.total_bytes + MEMORY_MARGIN > free:
-        raise FailedPrecondition(
-            f"the pushed weights ({manifest.total_bytes} bytes) do not fit in this replica's free memory "
-            f"({free} bytes); give it more memory"
-        )
+    check_manifest(manifest)
+    place, advice = "this replica's free memory", "give it more memory"
+    with reserved("memory", manifest.total_bytes, memory_available(), MEMORY_MARGIN, place, advice):
+        return await _receive_tensors(manifest, rest, torch, torch_dtype)
+
+
+async def _receive_tensors(manifest: WeightsManifest, rest: AsyncIterator, torch, torch_dtype) -> dict:
     tensors = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for t in manifest.tensors}
     # uint8 views of the tensors' memory (numpy has no bfloat16), written in place: torch.empty leaves
     # the pages untouched until a chunk lands there, so memory grows with what was received
