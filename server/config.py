@@ -431,6 +431,41 @@ def _default_text(name: str, info: FieldInfo) -> str:
     return "unset" if value in (None, {}) else f"default {value}"
 
 
+# --help in sections: every setting belongs to exactly one (tests/server/test_server_config.py checks it).
+HELP_GROUPS: dict[str, tuple[str, ...]] = {
+    "engine": ("model", "engine", "dtype", "max_model_len", "seed"),
+    "vLLM": (
+        *("tensor_parallel_size", "gpu_memory_utilization", "kv_cache_gb", "enable_prefix_caching"),
+        *("quantization", "enforce_eager", "vllm_args"),
+    ),
+    "limits and streaming": (
+        *("max_logprobs", "max_tokens", "max_n", "max_batch", "threads", "max_message_bytes"),
+        *("chunk_interval_ms", "chunk_max_tokens"),
+    ),
+    "network and process": (
+        "host",
+        "port",
+        "metrics_port",
+        "advertise_address",
+        "replica_id",
+        "drain_timeout_s",
+    ),
+    "HTTP / OpenAI and sessions": (
+        "http_port",
+        "max_sessions",
+        "session_idle_s",
+        "session_answer_mb",
+        "max_session_tokens",
+    ),
+    "pull mode (Redis)": (
+        *("redis_url", "namespace", "partitions", "pull", "pull_concurrency", "claim_idle_s"),
+        *("heartbeat_ttl_s", "max_job_deliveries", "rollout_stream_max_len", "publish_wait_s"),
+    ),
+    "weights": ("weights_root", "join_timeout_s"),
+    "security": ("auth_token", "tls_cert", "tls_key"),
+}
+
+
 def build_parser(prog: str = "maskroll serve") -> argparse.ArgumentParser:
     """One flag per setting (`config_fields`), help text from the field's docstring. Flags default to
     SUPPRESS so that only the flags given override the environment."""
@@ -439,19 +474,22 @@ def build_parser(prog: str = "maskroll serve") -> argparse.ArgumentParser:
         description="Serve rollouts over gRPC. Every flag can also be set as an environment variable.",
         argument_default=argparse.SUPPRESS,
     )
+    group_of = {name: title for title, names in HELP_GROUPS.items() for name in names}
+    groups = {title: parser.add_argument_group(title) for title in HELP_GROUPS}
     for name, info in config_fields().items():
         help_ = f"{info.description} [{ENV_PREFIX}{name.upper()}; {_default_text(name, info)}]"
+        group = groups[group_of[name]] if name in group_of else parser
         if name == "vllm_args":  # repeatable: --vllm-arg a=1 --vllm-arg b=2
-            parser.add_argument("--vllm-arg", dest=name, action="append", metavar="NAME=VALUE", help=help_)
+            group.add_argument("--vllm-arg", dest=name, action="append", metavar="NAME=VALUE", help=help_)
             continue
         choices = None
         if typing.get_origin(info.annotation) is Literal:
             choices = list(typing.get_args(info.annotation))
         metavar = None if choices else name.upper()  # argparse shows {a,b,c} for choices
         if info.annotation in (bool, bool | None):  # `--pull` alone means true; `--pull false` still works
-            parser.add_argument(_flag(name), dest=name, nargs="?", const="true", metavar="BOOL", help=help_)
+            group.add_argument(_flag(name), dest=name, nargs="?", const="true", metavar="BOOL", help=help_)
             continue
-        parser.add_argument(_flag(name), dest=name, metavar=metavar, choices=choices, help=help_)
+        group.add_argument(_flag(name), dest=name, metavar=metavar, choices=choices, help=help_)
     return parser
 
 

@@ -345,3 +345,15 @@ def test_serve_on_a_port_in_use_exits_1_with_a_clear_message(tiny_model_dir):
         )  # fmt: skip
     assert out.returncode == 1, out.stderr
     assert f"maskroll serve: cannot listen on 127.0.0.1:{port}" in out.stderr
+
+
+def test_every_setting_is_in_exactly_one_help_section():
+    from maskroll.server.config import HELP_GROUPS, build_parser, config_fields
+
+    placed = [name for names in HELP_GROUPS.values() for name in names]
+    assert sorted(placed) == sorted(config_fields()), "a setting is in no --help section, or in two"
+    text = build_parser().format_help()
+    # each section lists its own flags: --pull under "pull mode", --auth-token under "security"
+    body = text[text.index("\nengine:") :]  # past the usage line, which names every flag
+    pull, security = body.index("pull mode (Redis):"), body.index("security:")
+    assert pull < body.index("--pull-concurrency") < security < body.index("--auth-token")
