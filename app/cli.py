@@ -16,6 +16,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "direction analysis of the trust-region masks on synthetic LLM-like states",
         "maskroll.trainer_adapter.analyze:main",
     ),
+    "dead-letters": (
+        "list a namespace's dead letters (id, reason, age); --drop deletes those listed",
+        "maskroll.app.status:dead_letters_main",
+    ),
     "demo": (
         "asynchronous RL end to end: Redis, two replicas, a trainer with predictive masks (a few minutes)",
         "maskroll.app.demo:main",
@@ -35,6 +39,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": (
         "serve rollouts over gRPC and HTTP/OpenAI (vLLM or the torch reference engine)",
         "maskroll.server.serve:main",
+    ),
+    "status": (
+        "a namespace at a glance: run, live replicas, backlog per partition, dead letters by reason",
+        "maskroll.app.status:main",
     ),
 }
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .queue import AsyncRolloutQueue, RolloutQueue
     from .queue_state import QueueStats
     from .reader import QueueTimeout
-    from .replicas import BroadcastError, ReplicaInfo, ReplicaWeights
+    from .replicas import BroadcastError, ReplicaInfo, ReplicaWeights, replicas_elsewhere
     from .rollout_client import RolloutClient, RolloutError, SyncRolloutClient
     from .runs import RunChoiceRequired, RunError, RunInfo, RunNotFound, RunSuperseded
 
@@ -48,6 +48,7 @@ _LAZY = {
     "ReplicaInfo": "replicas",
     "ReplicaWeights": "replicas",
     "BroadcastError": "replicas",
+    "replicas_elsewhere": "replicas",
     "RunInfo": "runs",
     "RunError": "runs",
     "RunChoiceRequired": "runs",
@@ -81,6 +82,7 @@ __all__ = [
     "ServerInfo",
     "SyncRolloutClient",
     "WeightsUpdateResult",
+    "replicas_elsewhere",
 ]
 
 

@@ -33,7 +33,7 @@ from .admission import QueueFull
 from .lifecycle import RunLifecycle
 from .queue_state import QueueState, QueueStats, StalePolicy
 from .reader import QueueTimeout, Reader
-from .replicas import BroadcastError, ReplicaInfo, ReplicaWeights, live_replicas
+from .replicas import BroadcastError, ReplicaInfo, ReplicaWeights, live_replicas, namespaces_with_replicas
 from .runs import RunChoiceRequired, RunInfo, RunMode, RunNotFound, RunSuperseded
 from .submitter import Submitter
 
@@ -182,6 +182,12 @@ class AsyncRolloutQueue:
         await self._state.connect()
         return await self._state.call(live_replicas(self._state.r, self._state.keys))
 
+    async def namespaces_with_replicas(self) -> dict[str, int]:
+        """{namespace: live replicas} over every namespace on this Redis (a bounded scan of the
+        heartbeat keys): where the replicas are when this namespace has none."""
+        await self._state.connect()
+        return await self._state.call(namespaces_with_replicas(self._state.r))
+
     # ---- settings and counters ------------------------------------------------------------------
 
     @property
@@ -318,6 +324,7 @@ class AsyncRolloutQueue:
         "set_policy_version",
         "record_version",
         "replicas",
+        "namespaces_with_replicas",
         "cancel_pending_jobs",
     ],
     properties=[

@@ -32,7 +32,7 @@ from maskroll.proto.streams import (
 from .batching import Entry, GroupBatcher, group_key, refusal, too_stale
 from .deadletters import DeadLetters, Handles
 from .queue_state import QueueState
-from .replicas import live_replicas
+from .replicas import live_replicas, namespaces_with_replicas, replicas_elsewhere
 from .runs import RunInfo, RunSuperseded
 
 log = logging.getLogger("maskroll.queue")
@@ -152,7 +152,8 @@ class Reader:
             parts.append(
                 f"0 live replicas in namespace {ns!r} (start `maskroll serve --pull --namespace {ns}"
                 + (f" --partitions {s.keys.partitions}" if s.keys.partitions > 1 else "")
-                + "` on the same Redis)"
+                + "` on the same Redis); "
+                + replicas_elsewhere(ns, await s.call(namespaces_with_replicas(s.r)))
             )
         else:
             parts.append(

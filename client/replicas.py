@@ -11,6 +11,7 @@ weight_sync. Needs no grpc; knows nothing of jobs, records or batches.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -18,7 +19,18 @@ import redis.asyncio as aioredis
 from maskroll.proto.heartbeat import ReplicaInfo, decode_heartbeat
 from maskroll.proto.streams import StreamKeys
 
-__all__ = ["BroadcastError", "ReplicaInfo", "ReplicaWeights", "live_replicas"]
+__all__ = [
+    "BroadcastError",
+    "ReplicaInfo",
+    "ReplicaWeights",
+    "live_replicas",
+    "namespaces_with_replicas",
+    "replicas_elsewhere",
+]
+
+# Every namespace's heartbeat keys, in both layouts (StreamKeys.replica: "maskroll:<ns>:replica:<id>",
+# "maskroll:{<ns>}:replica:<id>"); braces are not special in Redis's glob patterns.
+ALL_REPLICAS_PATTERN = "maskroll:*:replica:*"
 
 
 class BroadcastError(RuntimeError):
@@ -56,3 +68,43 @@ async def live_replicas(r: aioredis.Redis, keys: StreamKeys) -> list[ReplicaInfo
             continue
         out.append(decode_heartbeat(raw))
     return sorted(out, key=lambda rep: rep.replica_id)
+
+
+def _namespace_of(key: bytes | str) -> str | None:
+    """The namespace of a heartbeat key (either layout), None for a key that only matched the pattern."""
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    rest = text.removeprefix("maskroll:")
+    if rest.startswith("{"):
+        ns, sep, tail = rest[1:].partition("}")
+        return ns if sep and tail.startswith(":replica:") else None
+    ns, sep, _ = rest.partition(":replica:")
+    return ns if sep and ns else None
+
+
+async def namespaces_with_replicas(
+    r: aioredis.Redis, *, max_keys: int = 10_000, max_seconds: float = 2.0
+) -> dict[str, int]:
+    """{namespace: live replicas} over every namespace of this Redis, from the heartbeat keys (one SCAN
+    of the whole keyspace for the pattern, stopped after `max_keys` matches or `max_seconds`: a bounded
+    look for "where are my replicas?", not a registry)."""
+    out: dict[str, int] = {}
+    seen, deadline = 0, time.monotonic() + max_seconds
+    # TYPE string: heartbeats only, not a stream whose name happens to match (`<rollouts>:replica:x`)
+    async for key in r.scan_iter(match=ALL_REPLICAS_PATTERN, count=1000, _type="string"):
+        ns = _namespace_of(key)
+        if ns is not None:
+            out[ns] = out.get(ns, 0) + 1
+        seen += 1
+        if seen >= max_keys or time.monotonic() > deadline:
+            break
+    return dict(sorted(out.items()))
+
+
+def replicas_elsewhere(namespace: str, by_namespace: dict[str, int]) -> str:
+    """Where the replicas of this Redis are, when `namespace` has too few: one sentence for a message."""
+    others = {ns: n for ns, n in by_namespace.items() if ns != namespace}
+    if not others:
+        return "no namespace on this Redis has live replicas"
+    shown = ", ".join(f"{ns!r} ({n})" for ns, n in list(others.items())[:10])
+    more = f" and {len(others) - 10} more" if len(others) > 10 else ""
+    return f"namespaces with live replicas on this Redis: {shown}{more} (a wrong --namespace?)"

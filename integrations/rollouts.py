@@ -31,6 +31,7 @@ from typing import Any
 from maskroll.client import QueueTimeout, RolloutQueue, RolloutRecord, SamplingOptions, SyncRolloutClient
 from maskroll.client.admission import in_flight_limit
 from maskroll.client.batching import too_stale
+from maskroll.client.replicas import replicas_elsewhere
 from maskroll.client.runs import RunMode
 
 log = logging.getLogger("maskroll.integrations")
@@ -174,14 +175,25 @@ class QueueSource(_Source):
         self._token, self._root_certs = token, root_certs
         self._failed_seen = 0
 
-    def wait_for_replicas(self, count: int, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
+    def wait_for_replicas(self, count: int, timeout: float = 120.0, every: float = 10.0) -> None:
+        """Until `count` replicas are registered; says at once and every `every` s what is missing and
+        which namespaces on this Redis have replicas (a wrong namespace shows at once)."""
+        start = told = time.monotonic()
+        first = True
         while len(reps := self.queue.replicas()) < count:
-            if time.monotonic() > deadline:
-                raise GenerationError(
-                    f"{len(reps)} of {count} replicas registered in namespace {self.namespace!r} "
-                    f"after {timeout:.0f} s: start `maskroll serve --pull` replicas on the same Redis"
+            now = time.monotonic()
+            if first or now - told >= every or now - start > timeout:
+                elsewhere = replicas_elsewhere(self.namespace, self.queue.namespaces_with_replicas())
+                missing = (
+                    f"{len(reps)} of {count} replicas registered in namespace {self.namespace!r} after "
+                    f"{now - start:.0f} s; {elsewhere}"
                 )
+                if now - start > timeout:
+                    raise GenerationError(
+                        f"{missing}: start `maskroll serve --pull` replicas on the same Redis and namespace"
+                    )
+                log.warning("waiting for replicas: %s", missing)
+                first, told = False, now
             time.sleep(0.2)
 
     def room(self) -> int:

@@ -320,8 +320,9 @@ class MaskrollGRPOTrainer(GRPOTrainer):
                 )
                 self._run_taken = True
                 source.wait_for_replicas(cfg.min_replicas)
+                extra = {"resume_from_base": cfg.resume_from_base} if cfg.weight_transport == "stream" else {}
                 self._publisher = make_publisher(
-                    cfg.weight_transport, source.broadcaster, root=cfg.weights_root, keep=2
+                    cfg.weight_transport, source.broadcaster, root=cfg.weights_root, keep=2, **extra
                 )
                 # The run's version on trainer and replicas: a resumed run loads its latest weights
                 # into the model; a new one publishes the model as version 0 to replicas serving others.

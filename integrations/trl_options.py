@@ -59,6 +59,9 @@ class MaskrollConfig:
     token / root_certs: the replicas' bearer token and TLS roots (PEM).
     direction_diagnostics: after each optimiser step, score each rule's predicted direction of D
         against the realised change on the last micro-batch (`maskroll/agree_*`; one more forward).
+    resume_from_base: with run="resume" and the stream transport, when `weights_root` holds no copy of
+        the run's current version N: publish the model as a new version N + 1 instead of refusing
+        (the default refuses: the model is not version N, and calling it so would be a silent mismatch).
     """
 
     redis_url: str | None = None
@@ -78,6 +81,7 @@ class MaskrollConfig:
     token: str | None = None
     root_certs: bytes | None = None
     direction_diagnostics: bool = False
+    resume_from_base: bool = False
 
     def __post_init__(self) -> None:
         if self.redis_url is None and not self.replicas:

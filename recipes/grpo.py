@@ -28,7 +28,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from maskroll.client import RolloutQueue, SamplingOptions, SyncRolloutClient
+from maskroll.client import RolloutQueue, SamplingOptions, SyncRolloutClient, replicas_elsewhere
 from maskroll.trainer_adapter import (
     MaskConfig,
     MaskResult,
@@ -119,11 +119,23 @@ def evaluate(address: str, prompts: list[list[int]], cfg: GRPOConfig) -> float:
     return sum(rewards) / len(rewards)
 
 
-def wait_for_replicas(q: RolloutQueue, count: int, timeout: float = 60.0) -> list:
-    deadline = time.monotonic() + timeout
+def wait_for_replicas(q: RolloutQueue, count: int, timeout: float = 60.0, every: float = 10.0) -> list:
+    """The live replicas of q's namespace once there are `count`; says at once and every `every` s
+    what is missing and which namespaces on this Redis have replicas (a wrong namespace shows at once);
+    TimeoutError after `timeout` s, with the same words."""
+    start = time.monotonic()
+    told = None
     while len(reps := q.replicas()) < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{len(reps)} of {count} replicas registered in Redis after {timeout:.0f} s")
+        now = time.monotonic()
+        if told is None or now - told >= every or now - start > timeout:
+            missing = (
+                f"{len(reps)} of {count} replicas registered in namespace {q.namespace!r} after "
+                f"{now - start:.0f} s; {replicas_elsewhere(q.namespace, q.namespaces_with_replicas())}"
+            )
+            if now - start > timeout:
+                raise TimeoutError(missing)
+            print(f"  waiting for replicas: {missing}", flush=True)
+            told = now
         time.sleep(0.1)
     return reps
 

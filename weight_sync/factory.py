@@ -69,8 +69,10 @@ def make_publisher(
     root: "directory": the replicas' `--weights-root` (required); "stream": the trainer's own copy of
     each version, for resuming after a restart (None: none); "collective": not used. keep: versions
     kept under root. timeout: seconds each replica may take per version (default: the transport's).
-    options: the transport's own arguments — require_all ("directory", "stream"); follow_s, chunk_bytes
-    ("stream"); model, master_address, master_port, tensor_parallel_size, packed ("collective")."""
+    options: the transport's own arguments — require_all ("directory", "stream"); follow_s, chunk_bytes,
+    resume_from_base ("stream": a resumed run with no copy of its version under root publishes the model
+    as a new version instead of refusing); model, master_address, master_port, tensor_parallel_size,
+    packed ("collective")."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r}; expected one of {', '.join(map(repr, TRANSPORTS))}")
     if timeout is not None:

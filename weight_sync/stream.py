@@ -9,7 +9,8 @@ with `checkpoint = "stream"`: a replica that starts while the run is at version 
 waits (server/app.py `join_current_version`); the publisher's follower thread sees it serving other
 weights within `follow_s` and pushes it the current version. With `save_root`, each version is also
 written there in the `checkpoint.py` layout, on the trainer's own disk, so a restarted trainer can
-resume the run from it.
+resume the run from it; without it, `start()` of a resumed run refuses, or with `resume_from_base=True`
+publishes the model it is given as a new version (never as the run's current one).
 
 Each chunk is serialized straight from the tensor's memory with one copy (`wire.push_chunk_bytes`),
 per replica, so the trainer holds the snapshot plus the chunks each replica's gRPC stream has in flight.
@@ -36,6 +37,10 @@ from .publish import WeightSyncError, checked, next_version, on_other_weights
 log = logging.getLogger(__name__)
 
 STREAM_RECORD = "stream"  # the run record's `checkpoint` for a version only the trainer holds
+
+# {run_id: version} this process's publishers last held (published or loaded): a trainer that reopens
+# its queue in the same process (TRL's evaluate after train) still holds that version in its model.
+_HELD: dict[str, int] = {}
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -118,6 +123,9 @@ class StreamPublisher:
         chunk_bytes: bytes per PushWeights message (under the replicas' --max-message-bytes).
         follow_s: every this many seconds, push the current version to live replicas that do not
             serve it (joined or restarted since the last publish); None: no follower thread.
+        resume_from_base: what start() does when the run is at a version v > 0 and `save_root` holds
+            no copy of it: False (the default) refuses (the model would be taken for version v while
+            it most likely holds the base weights); True publishes the model as a new version v + 1.
     """
 
     def __init__(
@@ -130,6 +138,7 @@ class StreamPublisher:
         require_all: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         follow_s: float | None = 5.0,
+        resume_from_base: bool = False,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
@@ -138,6 +147,7 @@ class StreamPublisher:
         self.queue, self.keep, self.timeout, self.require_all = queue, keep, timeout, require_all
         self.save_root = None if save_root is None else os.path.abspath(save_root)
         self.chunk_bytes = chunk_bytes
+        self.resume_from_base = resume_from_base
         self._tensors: dict[str, torch.Tensor] | None = None  # the last published version's snapshot
         self._manifest: WeightsManifest | None = None
         self._lock = threading.Lock()  # one push at a time: publish vs the follower's catch-up
@@ -158,23 +168,30 @@ class StreamPublisher:
 
     def start(self, model: torch.nn.Module) -> int:
         """Put the trainer and every live replica on the run's current version; returns it. A resumed
-        run at v > 0 loads `<save_root>/v<v>` into `model` when it exists (otherwise `model` must
-        already hold version v: the stream keeps no copy outside this process) and pushes it to the
-        replicas not serving it. A run at 0 publishes `model` as version 0 if some replica serves other
-        weights, as CheckpointPublisher.start."""
+        run at v > 0 loads `<save_root>/v<v>` into `model` and pushes it to the replicas not serving
+        it (a publisher of this process that held v: `model` is taken to hold it). Without that copy
+        (the stream keeps none outside the trainer) it raises RuntimeError, unless
+        `resume_from_base=True`: then `model` is published as a new version v + 1 (returned), never
+        labelled v. A run at 0 publishes `model` as version 0 if some replica serves other weights, as
+        CheckpointPublisher.start."""
         run = self.queue.run
         if run.version > 0:
             own = checkpoint_dir(self.save_root, run.version) if self.save_root else None
             if own is not None and own.exists():
                 load_checkpoint(model, own)
+            elif _HELD.get(run.run_id) == run.version:
+                pass  # this process published (or loaded) it: the trainer's model holds it
+            elif self.resume_from_base:
+                return self._resume_as_new_version(model, run)
             else:
-                log.warning(
-                    "resuming run %s at version %d: no local copy under save_root=%s; the model is taken "
-                    "to hold version %d already",
-                    run.run_id,
-                    run.version,
-                    self.save_root,
-                    run.version,
+                where = f"no {own}" if own is not None else "save_root=None"
+                raise RuntimeError(
+                    f"run {run.run_id} is at policy version {run.version} but this trainer has no copy of "
+                    f"it ({where}): the stream transport keeps versions only on the trainer's disk, and "
+                    f"the model here most likely holds the base weights, not version {run.version}. Point "
+                    "save_root (StreamPublisher / make_publisher root=; MaskrollConfig.weights_root with "
+                    "TRL) at the directory the run saved into, start a new run (run='new'), or pass "
+                    f"resume_from_base=True to publish this model as a new version {run.version + 1}"
                 )
             self._remember(snapshot(model), run.version)
             self.catch_up()
@@ -186,6 +203,25 @@ class StreamPublisher:
         else:
             self._remember(snapshot(model), 0)
         return 0
+
+    def _resume_as_new_version(self, model: torch.nn.Module, run) -> int:
+        """resume_from_base: `model` (not version run.version) published as run.version + 1; recorded
+        even when no replica is alive yet (the follower and joining replicas get it pushed)."""
+        version = run.version + 1
+        log.warning(
+            "resuming run %s at version %d with no local copy under save_root=%s: resume_from_base=True, "
+            "so the model is published as a new version %d",
+            run.run_id,
+            run.version,
+            self.save_root,
+            version,
+        )
+        try:
+            self.publish(model, version)
+        except WeightSyncError as e:
+            if e.results:  # some replica was there and did not take it
+                raise
+        return version
 
     def publish(
         self, model: Mapping[str, torch.Tensor] | torch.nn.Module, version: int | None = None
@@ -242,6 +278,7 @@ class StreamPublisher:
 
     def _remember(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         self._tensors, self._manifest = tensors, manifest_of(tensors, version)
+        _HELD[self.queue.run.run_id] = version
 
     def _chunks(self) -> Iterator[tuple[int, int, memoryview]]:
         tensors = self._tensors  # the version being sent, even if a publish replaces it meanwhile

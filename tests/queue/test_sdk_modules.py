@@ -88,7 +88,7 @@ def test_public_names_resolve_to_their_owning_modules():
 
 
 PUBLIC = ["__init__", "submit", "next_batch", "batches", "ack", "room", "set_policy_version"]
-PUBLIC += ["replicas", "record_version", "cancel_pending_jobs", "close"]
+PUBLIC += ["replicas", "namespaces_with_replicas", "record_version", "cancel_pending_jobs", "close"]
 PROPERTIES = ["stats", "run", "run_id", "namespace", "policy_version", "max_in_flight", "in_flight"]
 PROPERTIES += ["consumer", "replica_auth"]
 
