@@ -9,11 +9,10 @@ import os
 from pathlib import Path
 
 import pytest
-from hardening_fixtures import Serve
+from hardening_fixtures import NAMESPACE, Serve
 
 from maskroll.local.redis_server import LocalRedis
 
-NAMESPACE = "hard"
 REDIS_PASSWORD = "hardening-s3cret-pw"
 
 

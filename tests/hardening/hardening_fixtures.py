@@ -22,6 +22,11 @@ from maskroll.proto._generated import rollout_pb2 as pb
 from maskroll.proto._generated import rollout_pb2_grpc as pb_grpc
 from maskroll.server.healthcheck import check
 
+# The pull-mode namespace of the shared hardening replica (conftest.py), named here so every test
+# module imports it from one uniquely named module (a bare `conftest` import resolves to whichever
+# conftest pytest loaded first when several test folders run together).
+NAMESPACE = "hard"
+
 PROMPT = np.array([256, 72, 105], "<i4")  # <bos> "Hi"
 NORMAL = SamplingOptions(max_tokens=3, logprobs_k=2, ignore_eos=True)
 

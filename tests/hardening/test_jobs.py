@@ -17,8 +17,7 @@ import uuid
 import numpy as np
 import pytest
 import redis
-from conftest import NAMESPACE
-from hardening_fixtures import PROMPT, wait_for
+from hardening_fixtures import NAMESPACE, PROMPT, wait_for
 
 from maskroll.client import RolloutClient
 from maskroll.client.queue import RolloutQueue

@@ -12,8 +12,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import redis
-from conftest import NAMESPACE
-from hardening_fixtures import assert_refused_then_served, raw_generate, request, served
+from hardening_fixtures import NAMESPACE, assert_refused_then_served, raw_generate, request, served
 
 from maskroll.client import SamplingOptions
 from maskroll.proto.streams import StreamKeys
