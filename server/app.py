@@ -30,6 +30,7 @@ from maskroll.proto._generated import rollout_pb2, rollout_pb2_grpc
 from maskroll.proto.run_record import RunRecordError
 from maskroll.proto.streams import StreamKeys
 
+from .activity import log_activity
 from .auth import BearerTokenInterceptor, server_credentials
 from .config import ConfigError, ServerConfig
 from .engines.contract import Engine
@@ -79,6 +80,7 @@ class Replica:
     _health_task: asyncio.Task | None = None
     http: object | None = None  # http_server.HttpFrontEnd when http_port is set
     _join_task: asyncio.Task | None = None  # retrying the join while the run record is invalid
+    _activity_task: asyncio.Task | None = None  # the periodic activity line (activity.py)
     _serving: bool = False  # what both health services say now (SERVING), until the drain
 
     def abort_all(self) -> None:
@@ -101,7 +103,7 @@ class Replica:
         self._drained = True
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         await self.health.enter_graceful_shutdown()  # NOT_SERVING for every service, permanently
-        for task in (self._health_task, self._join_task):
+        for task in (self._health_task, self._join_task, self._activity_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -200,6 +202,10 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
         if config.http_port is not None:
             replica.http = await _start_http(replica, publisher)
         replica._health_task = asyncio.create_task(_watch_health(replica), name="health-monitor")
+        if config.activity_log_s > 0:
+            version = lambda: engine.policy_version  # noqa: E731 - read at each line
+            activity = log_activity(replica.metrics, version, config.activity_log_s)
+            replica._activity_task = asyncio.create_task(activity, name="activity-log")
         if not await _join(replica):
             replica._join_task = asyncio.create_task(_rejoin(replica), name="join-run")
         await _refresh_health(replica)
@@ -245,7 +251,7 @@ async def _rejoin(replica: Replica) -> None:
 
 async def _abandon(replica: Replica) -> None:
     """Undo a start that failed halfway: nothing may keep listening or running."""
-    for task in (replica._health_task, replica._join_task, replica._puller_task):
+    for task in (replica._health_task, replica._join_task, replica._activity_task, replica._puller_task):
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

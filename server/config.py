@@ -296,6 +296,9 @@ class ServerConfig(BaseSettings):
     """Unconsumed records the rollout stream may hold; past it the publisher waits (never trims)."""
     publish_wait_s: float = Field(600.0, gt=0)
     """How long the publisher waits for room in a full stream before leaving the job for redelivery."""
+    activity_log_s: float = Field(60.0, ge=0, le=86400)
+    """Seconds between the replica's activity lines in its log (jobs done, tokens/s, in flight, version);
+    an idle replica writes none. 0 = no activity lines."""
     join_timeout_s: float = Field(300.0, ge=0, le=86400)
     """At start-up, when the run's current version is pushed by its trainer (the streamed transport):
     how long the replica waits for that push before it starts on its own weights."""
@@ -447,6 +450,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "port",
         "metrics_port",
         "advertise_address",
+        "activity_log_s",
         "replica_id",
         "drain_timeout_s",
     ),

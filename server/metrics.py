@@ -16,10 +16,18 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _K_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
 
+# The outcomes a pull job is counted under (maskroll_pull_jobs{outcome}).
+JOB_OUTCOMES = ("ok", "rejected", "malformed", "error", "dead_lettered")
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.tokens = Counter("maskroll_generated_tokens", "Completion tokens streamed", registry=r)
+        self.tokens = Counter(
+            "maskroll_generated_tokens",
+            "Completion tokens generated (streamed, or in pull jobs' records)",
+            registry=r,
+        )
         self.requests = Counter(
             "maskroll_requests", "RPCs by method and final status code", ["method", "code"], registry=r
         )

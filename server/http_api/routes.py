@@ -2,6 +2,7 @@
 
     GET    /healthz                      live: 200 while the process serves HTTP (no token needed)
     GET    /readyz                       200 when the engine serves and the replica is not draining, else 503
+    GET    /metrics                      the replica's Prometheus metrics (as on --metrics-port)
     GET    /v1/info                      GetInfo                       ┐ the JSON image of the proto: the
     POST   /v1/weights                   UpdateWeights                 │ gRPC servicer's own methods, with
     POST   /v1/generate                  Generate: chunks as NDJSON,   │ protobuf's JSON mapping (arrays are
@@ -369,6 +370,15 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
         if found:
             return JSONResponse({"status": "not ready", "reason": "; ".join(found)}, status_code=503)
         return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    @boundary("http:metrics")
+    async def prometheus_metrics(request: Request) -> Response:
+        # The replica's Prometheus metrics on the HTTP port too (token as for every route but health),
+        # so a replica serving HTTP needs no second port scraped.
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # ---- native API: the gRPC service as JSON ----------------------------------------------------
 

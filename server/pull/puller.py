@@ -298,6 +298,7 @@ class PromptPuller:
             await self.publisher.publish(records, stream)
             await self._ack(part, entry_id)  # only after the records are safely in Redis
             self.metrics.jobs.labels("ok").inc()
+            self.metrics.tokens.inc(sum(int(r.completion_ids.size) for r in records))
         except asyncio.CancelledError:
             raise  # drain: the job stays pending and another replica (or we) reclaim it
         except TRANSIENT as e:

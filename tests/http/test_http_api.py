@@ -284,3 +284,21 @@ def test_drain_refuses_new_calls_and_aborts_running_ones(http_loop, http_engine,
         t.join(30)
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+
+
+def test_metrics_are_served_on_the_http_port_with_the_token(served):
+    with served.http() as c:
+        before = c.get("/metrics")
+        assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
+        r = c.post("/v1/generate", json=_native_request(max_tokens=4, ignore_eos=True))
+        assert r.status_code == 200
+        after = c.get("/metrics").text
+
+    def tokens(text: str) -> float:
+        line = next(x for x in text.splitlines() if x.startswith("maskroll_generated_tokens_total "))
+        return float(line.split()[1])
+
+    assert tokens(after) - tokens(before.text) == 4  # the four completion tokens just generated
+    import httpx
+
+    assert httpx.get(served.base_url + "/metrics").status_code == 401  # no token, no metrics
