@@ -184,8 +184,10 @@ def test_ports_services_and_metrics_annotations_agree_with_the_config(name):
     service = one(resources, "Service", "maskroll-replica")
     assert selects({"matchLabels": service["spec"]["selector"]}, template_labels(deployment))
     assert {p["targetPort"] for p in service["spec"]["ports"]} == set(ports)
-    for annotated in (deployment["spec"]["template"]["metadata"], service["metadata"]):
-        assert annotated["annotations"]["prometheus.io/port"] == cfg["MASKROLL_METRICS_PORT"]
+    pod = deployment["spec"]["template"]["metadata"]
+    assert pod["annotations"]["prometheus.io/port"] == cfg["MASKROLL_METRICS_PORT"]
+    # each replica is scraped once, as a pod: an annotated Service would be a second scrape of it
+    assert not any(k.startswith("prometheus.io/") for k in service["metadata"].get("annotations", {}))
     assert cfg["MASKROLL_HOST"] == "0.0.0.0"
 
 
