@@ -340,24 +340,37 @@ def compute_masks(
         )
         d = decide(q, config)
 
-    zero = torch.zeros((), dtype=compute_dtype(logits), device=logits.device)
+    res = mask_result(q, d, col["mismatch_kl"], col["mismatch_tv"], dtype=compute_dtype(logits))
+    return res.map(lambda t: t.reshape(sampled_ids.shape))
 
-    def padded(t: Tensor) -> Tensor:  # [N]: 0 at padding, whatever its garbage ids produced
-        return torch.where(x.valid, t, zero)
 
-    res = MaskResult(
+def mask_result(
+    q: Quantities,
+    d: Decision,
+    mismatch_kl: Tensor,  # [N]
+    mismatch_tv: Tensor,  # [N]
+    *,
+    dtype: torch.dtype,
+) -> MaskResult:  # flat [N]
+    """The decision `d` on `q` as a MaskResult; every per-token value 0 at padding (`q.valid` False),
+    whatever its garbage ids produced. compute_masks and sampled_token_masks both end here."""
+    zero = torch.zeros((), dtype=dtype, device=q.valid.device)
+
+    def padded(t: Tensor) -> Tensor:  # [N]
+        return torch.where(q.valid, t, zero)
+
+    return MaskResult(
         keep=d.keep,
         divergence=padded(q.divergence),
         direction=padded(d.direction),
         far=d.far,
         ratio_direction=padded(q.ratio_direction),
         predicted_direction=padded(q.predicted),
-        mismatch_kl=padded(col["mismatch_kl"]),
-        mismatch_tv=padded(col["mismatch_tv"]),
+        mismatch_kl=padded(mismatch_kl),
+        mismatch_tv=padded(mismatch_tv),
         logprobs=padded(q.logpi_a),
-        response_mask=x.valid,
+        response_mask=q.valid,
     )
-    return res.map(lambda t: t.reshape(sampled_ids.shape))
 
 
 def compute_masks_for(

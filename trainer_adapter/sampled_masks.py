@@ -14,7 +14,7 @@ import torch
 from . import divergences as dv
 from .config import MaskConfig
 from .inputs import check_shape, per_token, response_mask_flat
-from .masks import DECISIONS, MaskResult, Quantities
+from .masks import DECISIONS, MaskResult, Quantities, mask_result
 
 Tensor = torch.Tensor
 
@@ -62,21 +62,5 @@ def sampled_token_masks(
             valid=valid,
         )
         d = DECISIONS[config.method](q, config)
-        zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-
-        def padded(t: Tensor) -> Tensor:  # [N]: 0 at padding
-            return torch.where(valid, t, zero)
-
-        res = MaskResult(
-            keep=d.keep,
-            divergence=padded(q.divergence),
-            direction=padded(d.direction),
-            far=d.far,
-            ratio_direction=padded(q.ratio_direction),
-            predicted_direction=padded(q.predicted),
-            mismatch_kl=padded(dv.binary_kl(lp, lm)),
-            mismatch_tv=padded(dv.binary_tv(lp, lm)),
-            logprobs=padded(lp),
-            response_mask=valid,
-        )
+        res = mask_result(q, d, dv.binary_kl(lp, lm), dv.binary_tv(lp, lm), dtype=lp.dtype)
     return res.map(lambda t: t.reshape(lead))
