@@ -20,16 +20,11 @@ from maskroll.client.status import (
     namespace_status,
 )
 from maskroll.proto.redis_conn import QueueUnavailable, open_redis, redact
+from maskroll.proto.run_record import ago
 
 
 def _ago(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
+    return "?" if seconds is None else ago(seconds)
 
 
 def format_status(st: dict) -> str:

@@ -60,14 +60,15 @@ class RunInfo:
         )
 
     def describe(self) -> str:
-        ago = max(0.0, time.time() - (self.updated_at or self.started_at))
+        since = max(0.0, time.time() - (self.updated_at or self.started_at))
         return (
-            f"run {self.run_id} (policy version {self.version}, updated {_ago(ago)} ago, "
+            f"run {self.run_id} (policy version {self.version}, updated {ago(since)} ago, "
             f"started by {self.started_by or 'unknown'})"
         )
 
 
-def _ago(seconds: float) -> str:
+def ago(seconds: float) -> str:
+    """A duration as a person reads it: "45 s", "12 min", "3.5 h" (run records, `maskroll status`)."""
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:
