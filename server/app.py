@@ -203,8 +203,7 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
             replica.http = await _start_http(replica, publisher)
         replica._health_task = asyncio.create_task(_watch_health(replica), name="health-monitor")
         if config.activity_log_s > 0:
-            version = lambda: engine.policy_version  # noqa: E731 - read at each line
-            activity = log_activity(replica.metrics, version, config.activity_log_s)
+            activity = log_activity(replica.metrics, lambda: engine.policy_version, config.activity_log_s)
             replica._activity_task = asyncio.create_task(activity, name="activity-log")
         if not await _join(replica):
             replica._join_task = asyncio.create_task(_rejoin(replica), name="join-run")
