@@ -279,6 +279,7 @@ class MaskrollGRPOTrainer(GRPOTrainer):
         )
         self._source: _Source | None = None
         self._publisher: Publisher | None = None  # made with the source; owns the policy version
+        self._held: tuple[str, int] | None = None  # (run, version) the model holds when the source closed
         self._run_taken = False
         # Counts for reports (rollouts unless named): trained, confirmed, completion tokens, the
         # rollout source's stale resubmissions and foreign drops; replicas of the last batch.
@@ -320,7 +321,9 @@ class MaskrollGRPOTrainer(GRPOTrainer):
                 )
                 self._run_taken = True
                 source.wait_for_replicas(cfg.min_replicas)
-                extra = {"resume_from_base": cfg.resume_from_base} if cfg.weight_transport == "stream" else {}
+                # A reopened stream publisher is told what the model holds (it keeps no copy on disk).
+                stream = cfg.weight_transport == "stream"
+                extra = {"resume_from_base": cfg.resume_from_base, "held": self._held} if stream else {}
                 self._publisher = make_publisher(
                     cfg.weight_transport, source.broadcaster, root=cfg.weights_root, keep=2, **extra
                 )
@@ -340,6 +343,7 @@ class MaskrollGRPOTrainer(GRPOTrainer):
     def close(self) -> None:
         """Close the connection to the replicas (Redis / gRPC); `train` and `evaluate` reopen it."""
         if self._publisher is not None:
+            self._held = getattr(self._publisher, "held", None)  # StreamPublisher's; reopening passes it
             self._publisher.close()  # a StreamPublisher's thread that catches up replicas joining late
         if self._source is not None:
             self.rollout_counts["stale_resubmitted"] += self._source.stats.stale_resubmitted

@@ -71,7 +71,8 @@ def make_publisher(
     kept under root. timeout: seconds each replica may take per version (default: the transport's).
     options: the transport's own arguments — require_all ("directory", "stream"); follow_s, chunk_bytes,
     resume_from_base ("stream": a resumed run with no copy of its version under root publishes the model
-    as a new version instead of refusing); model, master_address, master_port, tensor_parallel_size,
+    as a new version instead of refusing), held ("stream": the (run, version) the model holds, from an
+    earlier publisher's `held`); model, master_address, master_port, tensor_parallel_size,
     packed ("collective")."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r}; expected one of {', '.join(map(repr, TRANSPORTS))}")

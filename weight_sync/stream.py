@@ -38,10 +38,6 @@ log = logging.getLogger(__name__)
 
 STREAM_RECORD = "stream"  # the run record's `checkpoint` for a version only the trainer holds
 
-# {run_id: version} this process's publishers last held (published or loaded): a trainer that reopens
-# its queue in the same process (TRL's evaluate after train) still holds that version in its model.
-_HELD: dict[str, int] = {}
-
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -126,6 +122,9 @@ class StreamPublisher:
         resume_from_base: what start() does when the run is at a version v > 0 and `save_root` holds
             no copy of it: False (the default) refuses (the model would be taken for version v while
             it most likely holds the base weights); True publishes the model as a new version v + 1.
+        held: (run id, version) that the model given to start() already holds, as the `held` of an
+            earlier publisher of the same model says (a trainer that reopens its queue in one process,
+            such as TRL's evaluate after train): start() takes the model as that version.
     """
 
     def __init__(
@@ -139,6 +138,7 @@ class StreamPublisher:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         follow_s: float | None = 5.0,
         resume_from_base: bool = False,
+        held: tuple[str, int] | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
@@ -148,6 +148,7 @@ class StreamPublisher:
         self.save_root = None if save_root is None else os.path.abspath(save_root)
         self.chunk_bytes = chunk_bytes
         self.resume_from_base = resume_from_base
+        self.held = held  # (run id, version) of the weights the trainer's model holds, as last known
         self._tensors: dict[str, torch.Tensor] | None = None  # the last published version's snapshot
         self._manifest: WeightsManifest | None = None
         self._lock = threading.Lock()  # one push at a time: publish vs the follower's catch-up
@@ -169,7 +170,7 @@ class StreamPublisher:
     def start(self, model: torch.nn.Module) -> int:
         """Put the trainer and every live replica on the run's current version; returns it. A resumed
         run at v > 0 loads `<save_root>/v<v>` into `model` and pushes it to the replicas not serving
-        it (a publisher of this process that held v: `model` is taken to hold it). Without that copy
+        it (with `held` naming v of this run, `model` is taken to hold it). Without that copy
         (the stream keeps none outside the trainer) it raises RuntimeError, unless
         `resume_from_base=True`: then `model` is published as a new version v + 1 (returned), never
         labelled v. A run at 0 publishes `model` as version 0 if some replica serves other weights, as
@@ -179,8 +180,8 @@ class StreamPublisher:
             own = checkpoint_dir(self.save_root, run.version) if self.save_root else None
             if own is not None and own.exists():
                 load_checkpoint(model, own)
-            elif _HELD.get(run.run_id) == run.version:
-                pass  # this process published (or loaded) it: the trainer's model holds it
+            elif self.held == (run.run_id, run.version):
+                pass  # the caller's model holds it (published or loaded by an earlier publisher)
             elif self.resume_from_base:
                 return self._resume_as_new_version(model, run)
             else:
@@ -278,7 +279,7 @@ class StreamPublisher:
 
     def _remember(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         self._tensors, self._manifest = tensors, manifest_of(tensors, version)
-        _HELD[self.queue.run.run_id] = version
+        self.held = (self.queue.run.run_id, version)
 
     def _chunks(self) -> Iterator[tuple[int, int, memoryview]]:
         tensors = self._tensors  # the version being sent, even if a publish replaces it meanwhile

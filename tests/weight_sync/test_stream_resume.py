@@ -78,8 +78,8 @@ def test_resume_with_a_local_copy_still_loads_it_as_version_n(redis_server, tmp_
 
 
 def test_a_trainer_reopening_its_queue_in_the_same_process_keeps_the_version_it_published(redis_server):
-    """TRL's evaluate after train: a new queue and publisher on the run this process published version
-    1 of; its model holds version 1, so start() takes it as version 1 with no copy on disk."""
+    """TRL's evaluate after train: a new queue and publisher on the run an earlier publisher published
+    version 1 of; told so (`held`), start() takes the model as version 1 with no copy on disk."""
     from maskroll.weight_sync import WeightSyncError
 
     ns = "resume-same-process"
@@ -89,6 +89,7 @@ def test_a_trainer_reopening_its_queue_in_the_same_process_keeps_the_version_it_
         assert pub.start(model) == 0
         with pytest.raises(WeightSyncError, match="no live replica"):  # recorded, no replica to load it
             pub.publish(model)
+        assert pub.held == (q.run_id, 1)
     with RolloutQueue(redis_server.url, ns, run="resume", batch_size=2) as q:
-        assert StreamPublisher(q, follow_s=None).start(model) == 1
+        assert StreamPublisher(q, follow_s=None, held=pub.held).start(model) == 1
     assert _version_of(redis_server.url, ns) == (1, STREAM_RECORD.encode())
