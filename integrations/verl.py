@@ -24,7 +24,11 @@ records' top-K tensors in verl's batch (docs/integrations.md says what to patch)
 Thresholds, read from the actor config: δ_low / δ_high (ε for maskroll_ppo) from
 `policy_loss.maskroll_delta_low/_high` (or `maskroll_delta`) where the policy_loss section carries them
 (a DictConfig), else verl's own DPPO convention `clip_ratio_low` / `clip_ratio_high` (falling back to
-`clip_ratio`); the IS cap C from `policy_loss.maskroll_is_cap`, else `clip_ratio_c`.
+`clip_ratio`); the IS cap C from `policy_loss.maskroll_is_cap`, else `clip_ratio_c`. The rollout
+correction (docs/math.md §9) by name from `policy_loss.maskroll_correction` (token_tis, seq_tis,
+token_mis, seq_mis, icepop, geo_mask; default token_tis) with its band from
+`policy_loss.maskroll_correction_low/_high`; it acts on r = π_a/μ_a with μ_a = `old_log_prob`, on top of
+verl's own `rollout_is_weights` (leave verl's rollout_corr off when choosing one here: both would apply).
 Load it in every Ray worker with `VERL_USE_EXTERNAL_MODULES=maskroll.integrations.verl`.
 """
 
@@ -70,10 +74,20 @@ def mask_config(config: Any, method: str, divergence: str) -> tuple[MaskConfig, 
     high = config.get("clip_ratio_high", None) if high is None else high
     low, high = (clip if low is None else low), (clip if high is None else high)
     is_cap = float(_setting(config, "maskroll_is_cap", config.get("clip_ratio_c", 10.0)))
+    band = {
+        "correction": str(_setting(config, "maskroll_correction", "token_tis")),
+        "correction_low": _setting(config, "maskroll_correction_low", None),
+        "correction_high": _setting(config, "maskroll_correction_high", None),
+    }
+    band = {k: float(v) if k != "correction" and v is not None else v for k, v in band.items()}
     if method == "ppo":
-        cfg = MaskConfig(method="ppo", divergence=divergence, eps_low=float(low), eps_high=float(high))
+        cfg = MaskConfig(
+            method="ppo", divergence=divergence, eps_low=float(low), eps_high=float(high), **band
+        )
     else:
-        cfg = MaskConfig(method=method, divergence=divergence, delta_low=float(low), delta_high=float(high))
+        cfg = MaskConfig(
+            method=method, divergence=divergence, delta_low=float(low), delta_high=float(high), **band
+        )
     return cfg, is_cap
 
 
@@ -105,6 +119,7 @@ def maskroll_policy_loss(
         is_cap=is_cap,
         response_mask=valid,
         token_weights=rollout_is_weights,
+        config=cfg,
     )
     loss = agg_loss(
         loss_mat=t.loss,
@@ -122,6 +137,7 @@ def maskroll_policy_loss(
             "actor/maskroll/far_frac": _masked_mean(res.far.to(lp.dtype), vf),
             "actor/maskroll/divergence_mean": _masked_mean(res.divergence, vf),
             "actor/maskroll/is_weight_mean": _masked_mean(t.is_weight, vf),
+            "actor/maskroll/correction_mask_frac": _masked_mean((~t.correction_keep).to(lp.dtype), vf),
         }
     return loss, metrics
 

@@ -12,9 +12,19 @@ from typing import Literal, get_args
 Method = Literal["none", "ppo", "dppo", "predictive"]
 Divergence = Literal["binary_tv", "binary_kl", "topk_tv", "topk_kl"]
 Estimator = Literal["aggregated", "uniform", "proportional"]
+Correction = Literal["token_tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_mask"]
 
 # DPPO's typical thresholds (docs/math.md §2): KL δ = 0.05, TV δ = 0.15–0.20.
 DEFAULT_DELTA = {"binary_tv": 0.15, "topk_tv": 0.15, "binary_kl": 0.05, "topk_kl": 0.05}
+# The band [low, high] of the masking corrections (docs/math.md §9): TRL's / verl's token and sequence
+# masks around 1, IcePop's α = 0.5, β = 5, a geometric-mean band of ±1 % (SkyRL's geo_mask default).
+# token_tis / seq_tis have no band: their cap is policy_loss's IS cap C.
+DEFAULT_BAND = {
+    "token_mis": (0.5, 2.0),
+    "seq_mis": (0.5, 2.0),
+    "icepop": (0.5, 5.0),
+    "geo_mask": (0.99, 1.01),
+}
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,15 @@ class MaskConfig:
         records sampled with truncation are refused.
     chunk_tokens: tokens processed per full-vocabulary chunk; bounds the extra memory to one
         [chunk_tokens, V] float32 tensor. Results do not depend on it.
+    correction: the rollout correction of the policy-gradient term (docs/math.md §9), applied by
+        token_loss / policy_loss on top of the trust-region mask: "token_tis" w = min(r, C) (the default,
+        today's loss); "seq_tis" w = min(ρ_seq, C), ρ_seq = Π_t r_t over the sequence's response tokens;
+        "token_mis" drops tokens with r outside [low, high], w = min(r, C); "seq_mis" drops sequences with
+        ρ_seq outside [low, high], w = min(ρ_seq, C); "icepop" drops tokens with r outside [low, high],
+        w = 1 (masked, never reweighted); "geo_mask" drops sequences whose geometric mean
+        exp(mean_t log r_t) leaves [low, high], w = min(r, C). Sequence-level ones need [B, T] inputs.
+    correction_low / correction_high: the band of token_mis, seq_mis, icepop and geo_mask (defaults
+        0.5–2, 0.5–2, 0.5–5, 0.99–1.01); 0 <= low < high, high may be inf. Refused for token_tis / seq_tis.
     compile: run compute_masks' own vocabulary pass (without vocab_stats) with the torch.compile'd
         kernel of `kernels`: "auto" on CUDA and for V ≥ 16384 on CPU, True always (except replayed
         truncation), False never. A compile failure warns once and falls back to eager.
@@ -51,12 +70,16 @@ class MaskConfig:
     replay_truncation: bool = False
     chunk_tokens: int = 1024
     compile: Literal["auto", True, False] = "auto"
+    correction: Correction = "token_tis"
+    correction_low: float | None = None
+    correction_high: float | None = None
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
             ("method", self.method, Method),
             ("divergence", self.divergence, Divergence),
             ("estimator", self.estimator, Estimator),
+            ("correction", self.correction, Correction),
         ):
             if value not in get_args(allowed):
                 raise ValueError(f"MaskConfig.{name}={value!r}; expected one of {get_args(allowed)}")
@@ -82,3 +105,25 @@ class MaskConfig:
             raise ValueError(f"MaskConfig.chunk_tokens={self.chunk_tokens!r}; expected an int >= 1")
         if not (self.compile == "auto" or isinstance(self.compile, bool)):
             raise ValueError(f"MaskConfig.compile={self.compile!r}; expected 'auto', True or False")
+        self._check_band()
+
+    def _check_band(self) -> None:
+        given = (self.correction_low, self.correction_high)
+        if self.correction not in DEFAULT_BAND:
+            if given != (None, None):
+                raise ValueError(
+                    f"MaskConfig.correction={self.correction!r} takes no band (its cap is policy_loss's "
+                    f"is_cap); got correction_low={given[0]}, correction_high={given[1]}"
+                )
+            return
+        low, high = (d if g is None else g for g, d in zip(given, DEFAULT_BAND[self.correction], strict=True))
+        for name, value in (("correction_low", low), ("correction_high", high)):
+            if not (isinstance(value, (int, float)) and not math.isnan(value) and value >= 0):
+                raise ValueError(f"MaskConfig.{name}={value!r}; expected a number >= 0")
+        if not (math.isfinite(low) and low < high):
+            raise ValueError(
+                f"MaskConfig: correction {self.correction!r} needs a finite correction_low < "
+                f"correction_high; got [{low}, {high}]"
+            )
+        object.__setattr__(self, "correction_low", float(low))
+        object.__setattr__(self, "correction_high", float(high))

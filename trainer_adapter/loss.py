@@ -6,6 +6,8 @@ With `ref_logprobs`: + β · r · k3, k3 = π_ref/π_a − log(π_ref/π_a) − 
 
 `token_loss` is ℓ_token alone, for a trainer that aggregates itself (verl's `agg_loss` across ranks);
 `policy_loss` aggregates it by one of `AGGREGATIONS`, adds the KL term and reports the metrics.
+With a `MaskConfig`, its rollout correction (`corrections`, docs/math.md §9) sets w and ands its mask
+into M; without one, w is the token-level truncated IS above (`token_tis`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from .config import MaskConfig
+from .corrections import rollout_correction
 from .inputs import check_shape, per_token
 from .masks import MaskResult
 
 Tensor = torch.Tensor
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-LOG_RATIO_MAX = 20.0  # keeps exp() finite before the cap applies
 
 
 def _mean(x: Tensor, where: Tensor) -> Tensor:
@@ -67,6 +70,7 @@ class TokenLoss(NamedTuple):
     kept: Tensor  # bool: M ∧ response
     advantages: Tensor  # A per token, in logprobs' dtype
     response_mask: Tensor  # bool
+    correction_keep: Tensor  # bool: the correction's own mask (docs/math.md §9); True off the response
 
 
 def token_loss(
@@ -78,8 +82,10 @@ def token_loss(
     is_cap: float = 10.0,
     response_mask: Tensor | None = None,  # bool like logprobs; default all tokens
     token_weights: Tensor | None = None,  # like logprobs, constant: multiplies ℓ_token (verl's rollout IS)
+    config: MaskConfig | None = None,  # its rollout correction (docs/math.md §9); None: token_tis
 ) -> TokenLoss:
-    """ℓ_token = −A · w · M · log π_a per token, not aggregated (docs/math.md §5)."""
+    """ℓ_token = −A · w · M · log π_a per token, not aggregated (docs/math.md §5); w and the extra mask of
+    `config.correction` (docs/math.md §9)."""
     if not is_cap > 0:
         raise ValueError(f"is_cap={is_cap}; expected > 0")
     lead = logprobs.shape
@@ -92,16 +98,23 @@ def token_loss(
     adv = per_token(advantages, lead, "advantages", logprobs.dtype).to(logprobs.device).reshape(lead)
 
     with torch.no_grad():
-        log_ratio = (logprobs.detach() - sampled_logprobs.to(logprobs.dtype)).clamp(max=LOG_RATIO_MAX)
-        raw_w = log_ratio.exp()
-        w = raw_w.clamp(max=is_cap)
-        m = keep.to(torch.bool) & valid
+        log_ratio = logprobs.detach() - sampled_logprobs.to(logprobs.dtype)
+        corr = rollout_correction(
+            log_ratio,
+            valid,
+            name=config.correction if config is not None else "token_tis",
+            is_cap=is_cap,
+            low=config.correction_low if config is not None else None,
+            high=config.correction_high if config is not None else None,
+        )
+        raw_w, w = corr.raw_weight, corr.weight
+        m = keep.to(torch.bool) & valid & corr.keep
         coef = adv * w * m  # like logprobs
         if token_weights is not None:
             coef = coef * token_weights.to(logprobs.dtype)
     # where() rather than a product: a masked token may carry log π_a = −inf (truncated by replay).
     per_tok = -coef * torch.where(coef != 0, logprobs, torch.zeros_like(logprobs))
-    return TokenLoss(per_tok, w, raw_w, m, adv, valid)
+    return TokenLoss(per_tok, w, raw_w, m, adv, valid, corr.keep | ~valid)
 
 
 # ---- the KL-to-reference term -----------------------------------------------------------------------
@@ -152,6 +165,7 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,  # like logprobs: log π_ref(a); adds the KL term and `ref_kl`
     kl_coef: float = 0.0,  # β of the KL term
     kl_is_weight: bool = True,  # the KL term's r = π_a/μ_a (TRL's use_bias_correction_kl)
+    config: MaskConfig | None = None,  # its rollout correction (docs/math.md §9); None: token_tis
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar loss and a dict of 0-dim detached metric tensors (docs/math.md §5).
 
@@ -167,7 +181,15 @@ def policy_loss(
     aggregate = AGGREGATIONS[aggregation]
     if response_mask is None and masks is not None:
         response_mask = masks.response_mask
-    t = token_loss(logprobs, sampled_logprobs, advantages, keep, is_cap=is_cap, response_mask=response_mask)
+    t = token_loss(
+        logprobs,
+        sampled_logprobs,
+        advantages,
+        keep,
+        is_cap=is_cap,
+        response_mask=response_mask,
+        config=config,
+    )
     valid, w, raw_w, m, adv = t.response_mask, t.is_weight, t.is_weight_raw, t.kept, t.advantages
     loss = aggregate(t.loss, valid, max_len)
     if ref_logprobs is not None:
@@ -186,6 +208,7 @@ def policy_loss(
             "is_weight_mean": _mean(w, vf),
             "is_weight_max": torch.where(valid, w, 0.0).max() if valid.any() else w.new_tensor(float("nan")),
             "is_weight_capped_frac": _mean((raw_w > is_cap).to(w.dtype), vf),
+            "correction_mask_frac": _mean((~t.correction_keep).to(w.dtype), vf),
         }
         if ref_logprobs is not None:
             metrics["ref_kl"] = kl.detach().sum() / counted.sum().clamp_min(1)
