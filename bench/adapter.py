@@ -290,6 +290,7 @@ def run_one(args: argparse.Namespace) -> dict:
         "compile": args.compile,
         "time_s": spread["median"],
         "time_min_s": spread["min"],
+        "time_max_s": spread["max"],
         "times_s": times,
         "user_s": statistics.median(c[0] for c in cpu),
         "sys_s": statistics.median(c[1] for c in cpu),
@@ -560,14 +561,14 @@ def summarise(results: list[dict], chunk_tokens: int) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| V | dtype | case | median (s) | ×(a) | min (s) | ×(a) min | user (s) | sys (s) | faults (M) "
-        "| extra peak (GiB) | peak − (a) (chunks) | peak − grad (chunks) | mask frac |",
-        "|" + "---|" * 14,
+        "| V | dtype | case | median (s) | ×(a) | min (s) | ×(a) min | max (s) | user (s) | sys (s) "
+        "| faults (M) | extra peak (GiB) | peak − (a) (chunks) | peak − grad (chunks) | mask frac |",
+        "|" + "---|" * 15,
     ]
     for r in rows:
         lead = f"| {r['vocab']} | {r['dtype']} | ({r['case']}) |"
         if "error" in r:
-            lines.append(f"{lead} {r['error']} |" + " |" * 10)
+            lines.append(f"{lead} {r['error']} |" + " |" * 11)
             continue
         ratio = (
             f"{r['time_ratio']:.2f} | {r['time_min_s']:.2f} | {r['time_ratio_min']:.2f}"
@@ -577,7 +578,8 @@ def table(rows: list[dict]) -> str:
         vs_a = f"{r['extra_vs_a_chunks']:+.2f}" if "extra_vs_a_chunks" in r else "–"
         mf = f"{r['mask_frac']:.3f}" if "mask_frac" in r else "–"
         lines.append(
-            f"{lead} {r['time_s']:.2f} | {ratio} | {r['user_s']:.2f} | {r['sys_s']:.2f} "
+            f"{lead} {r['time_s']:.2f} | {ratio} | {r.get('time_max_s', float('nan')):.2f} "
+            f"| {r['user_s']:.2f} | {r['sys_s']:.2f} "
             f"| {r['minor_faults'] / 1e6:.2f} | {r['extra_peak_bytes'] / GIB:.2f} | {vs_a} "
             f"| {r['beyond_grad_chunks']:+.2f} | {mf} |"
         )
@@ -627,6 +629,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument("--cases", default="a,b,b',c,c'", help="comma-separated subset of a,b,b',c,c'")
     common.add_reps(p, None, help="timed repetitions after one warm-up; default 3, with --arith 5")
+    common.add_baseline(p)
     p.add_argument("--chunk-tokens", type=int, default=1024, help="MaskConfig / token_logprobs chunk")
     p.add_argument("--threads", type=int, help="torch.set_num_threads; default 2, with --arith 1")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]: where the logits and the step live")
@@ -699,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     args, cases = parse_args(argv)
     if args.one:
         return child_main(args)
+    if args.baseline:
+        return common.run_baseline(__file__, argv, args, headline, digits=3)
     if args.arith:
         return arith_main(args, args.vocab or [32768], args.dtype or ["float32", "bfloat16"])
     if args.quick:
@@ -714,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     rows = summarise(run_matrix(args, vocabs, dtypes, cases), args.chunk_tokens)
+    info["load_average_1m"] = [round(info["loadavg"][0], 2), common.load_1m()]
     if args.json:
         args_out = {k: v for k, v in vars(args).items() if k != "one"}
         print(
@@ -724,7 +730,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(table(rows))
         print("\n" + "\n".join(verdict(rows)))
+        print(
+            f"times: median, min and max of {args.reps} repetitions; 1-min load average "
+            f"{info['load_average_1m'][0]} -> {info['load_average_1m'][1]}"
+        )
     return 0
+
+
+def headline(result: dict) -> dict[str, float]:
+    """The figures `--baseline` compares, from one run's JSON: each case's seconds and ratio to (a)."""
+    out = {}
+    for r in result["results"]:
+        if "error" in r:
+            continue
+        name = f"V={r['vocab']} {r['dtype']} ({r['case']})"
+        out[f"{name} s"] = r["time_s"]
+        if "time_ratio" in r and r["case"] != "a":
+            out[f"{name} ×(a)"] = r["time_ratio"]
+    return out
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """What the benchmarks share: their common flags (--reps, --model), the model they measure (a fresh
 `maskroll init-model` unless one is given), the stores and replicas they start (a private Redis or Redis
-Cluster, `maskroll serve` processes), vLLM's per-run environment, the machine they ran on, and the
-statistics they report (median / min / max of repetitions, the median of per-repetition ratios).
+Cluster, `maskroll serve` processes), vLLM's per-run environment, the machine they ran on, the
+statistics they report (median / min / max of repetitions, the median of per-repetition ratios, the
+1-minute load average at start and end) and `--baseline PATH`: the same benchmark run against another
+checkout of the repository, its repetitions alternating with this tree's, so that a before / after
+comparison comes from one run under one load.
 
 bench/ is not a package: `python bench/x.py` puts bench/ first on sys.path, so a script imports this as
 `import common`. No file in bench/ is named like a standard-library module (hence queue_bench.py and
@@ -12,10 +15,14 @@ the functions that need them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 GRPC_PREFIX_BYTES = 5  # gRPC length-prefixed message: 1 flag byte + 4 length bytes
@@ -157,3 +164,160 @@ def median_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> 
     """The median of per-repetition ratios of back-to-back runs: background load drifts slowly, so it
     hits both runs of a repetition alike and cancels in their ratio, not in a ratio of medians."""
     return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
+
+
+def load_1m() -> float:
+    """The machine's 1-minute load average, rounded: printed at a benchmark's start and end, because on a
+    shared machine it is what says how far a figure can be trusted."""
+    return round(os.getloadavg()[0], 2)
+
+
+def fmt_spread(values: Iterable[float] | dict[str, float], digits: int = 1, unit: str = "") -> str:
+    """The text "median [min, max]" of `values` (or of an existing `spread`), e.g. "17.2 [15.9, 19.4] µs"."""
+    s = values if isinstance(values, dict) else spread(values)
+    f = f"{{:.{digits}f}}"
+    text = f"{f.format(s['median'])} [{f.format(s['min'])}, {f.format(s['max'])}]"
+    return f"{text} {unit}" if unit else text
+
+
+# ---- --baseline: interleaving another checkout --------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def add_baseline(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="PATH",
+        help="another checkout of the repository (e.g. `git worktree add /tmp/base HEAD~3`): run this "
+        "benchmark with --reps 1 against it and against this tree in alternation, --reps times each, and "
+        "compare the two (median [min, max] of each side and of the per-repetition new/old ratios)",
+    )
+
+
+def tree_env(tree: Path, shim_dir: Path) -> dict[str, str]:
+    """An environment in which `import maskroll` is `tree`'s code. The repository's folders are mapped
+    into the `maskroll` namespace (pyproject.toml package-dir), so the tree cannot go on PYTHONPATH
+    itself: `shim_dir/maskroll` is made a link to it and `shim_dir` put first. A path entry is found
+    before the editable install's finder, which setuptools appends to sys.meta_path."""
+    link = shim_dir / "maskroll"
+    if not link.exists():
+        link.symlink_to(Path(tree).resolve(), target_is_directory=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(shim_dir), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def without_flag(argv: Sequence[str], flag: str, has_value: bool = True) -> list[str]:
+    """`argv` less `flag` (as `--flag V` or `--flag=V`, or a bare `--flag` when not `has_value`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = has_value
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
+def parse_json_output(stdout: str) -> dict | list:
+    """A benchmark's result: all of stdout as JSON, else its last line (scripts that print a table first)."""
+    try:
+        return json.loads(stdout)
+    except json.JSONDecodeError:
+        return json.loads(stdout.strip().splitlines()[-1])
+
+
+def run_tree(script: Path, argv: Sequence[str], env: dict[str, str]) -> dict | list:
+    """One run of `script` (a path inside this tree) with `env`; its stderr passes through."""
+    proc = subprocess.run([sys.executable, str(script), *argv], stdout=subprocess.PIPE, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"{script.name} {' '.join(argv)} exited with {proc.returncode}")
+    return parse_json_output(proc.stdout)
+
+
+def interleave(
+    script: str | Path,
+    argv: Sequence[str],
+    baseline: Path,
+    reps: int,
+    figures: Callable[[dict | list], dict[str, float]],
+    runner: Callable[[Path, Sequence[str], dict[str, str]], dict | list] = run_tree,
+) -> dict:
+    """`reps` repetitions of `script argv --reps 1 --json` against this tree ("new") and `baseline`
+    ("old"), alternating which goes first (new-old, old-new, ...), so that drifting load hits both alike.
+    `figures` picks the headline numbers out of one run's JSON. The same script (this tree's) measures
+    both trees: only the code under test differs, not the method. Returns every value, each side's
+    median [min, max] and those of the per-repetition new/old ratios, and the load at start and end."""
+    script = Path(script).resolve()
+    argv = [*without_flag(without_flag(argv, "--reps"), "--json", has_value=False), "--reps", "1", "--json"]
+    out: dict = {"new": {}, "old": {}, "order": [], "load_average_1m": [load_1m()], "baseline": str(baseline)}
+    with tempfile.TemporaryDirectory(prefix="maskroll-trees-") as tmp:
+        envs = {}
+        for side, tree in (("new", REPO), ("old", baseline)):
+            (Path(tmp) / side).mkdir()
+            envs[side] = tree_env(tree, Path(tmp) / side)
+        for rep in range(reps):
+            for side in ("new", "old") if rep % 2 == 0 else ("old", "new"):
+                values = figures(runner(script, argv, envs[side]))
+                out["order"].append(side)
+                for name, v in values.items():
+                    out[side].setdefault(name, []).append(v)
+                print(
+                    f"  rep {rep + 1}/{reps} {side}: "
+                    + ", ".join(f"{n} {v:.4g}" for n, v in values.items())
+                    + f" (load {load_1m()})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    out["load_average_1m"].append(load_1m())
+    out["summary"] = compare(out["new"], out["old"])
+    return out
+
+
+def compare(new: dict[str, list[float]], old: dict[str, list[float]]) -> dict[str, dict]:
+    """Per figure: each side's spread and the spread of the per-repetition ratios new / old (repetition i
+    of one side ran next to repetition i of the other)."""
+    summary = {}
+    for name in new:
+        row = {"new": spread(new[name]), "old": spread(old[name])}
+        if all(b != 0 for b in old[name]):
+            row["new_over_old"] = spread(a / b for a, b in zip(new[name], old[name], strict=True))
+        summary[name] = row
+    return summary
+
+
+def compare_table(result: dict, digits: int = 1) -> str:
+    """The interleaved comparison as Markdown: median [min, max] per side and of the ratios."""
+    loads = result["load_average_1m"]
+    reps = len(result["order"]) // 2
+    lines = [
+        f"{reps} interleaved repetitions per tree ({' '.join(result['order'])}); old = {result['baseline']}; "
+        f"1-min load average {loads[0]} -> {loads[1]}",
+        "",
+        "| figure | new: median [min, max] | old: median [min, max] | new / old per rep: median [min, max] |",
+        "|---|---|---|---|",
+    ]
+    for name, row in result["summary"].items():
+        ratio = fmt_spread(row["new_over_old"], 3) if "new_over_old" in row else "–"
+        lines.append(
+            f"| {name} | {fmt_spread(row['new'], digits)} | {fmt_spread(row['old'], digits)} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def run_baseline(
+    script: str | Path,
+    argv: Sequence[str] | None,
+    args: argparse.Namespace,
+    figures: Callable[[dict | list], dict[str, float]],
+    digits: int = 1,
+) -> int:
+    """A script's `--baseline` mode: `interleave` its own command line (less --baseline) `args.reps`
+    times per tree, then print the comparison (JSON with --json)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    result = interleave(script, without_flag(argv, "--baseline"), args.baseline, args.reps, figures)
+    print(json.dumps(result, indent=1) if getattr(args, "json", False) else compare_table(result, digits))
+    return 0

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -169,6 +168,7 @@ async def bench(args: argparse.Namespace, model_dir: Path) -> dict:
     from maskroll.server.config import EngineConfig, ServerConfig
 
     n, t, k = args.requests, args.tokens, args.k
+    args.load_start = common.load_1m()
     config = ServerConfig(
         model=model_dir,
         engine=args.engine,
@@ -226,7 +226,7 @@ def summarise(runs: list[dict], sizes: dict, args, model_dir: Path, engine, star
         "k": args.k,
         "reps": args.reps,
         "startup_s": round(startup, 1),
-        "load_average_1m": round(os.getloadavg()[0], 2),
+        "load_average_1m": [getattr(args, "load_start", None), common.load_1m()],
         "same_tokens": g["ids"] == h["ids"],
         "tokens_per_s": {
             p: round(statistics.median(tps(by[(i, p)]) for i in reps), 1) for p in ("grpc", "http")
@@ -246,6 +246,15 @@ def summarise(runs: list[dict], sizes: dict, args, model_dir: Path, engine, star
         "http_vs_grpc": round(
             common.median_ratio([tps(by[(i, "http")]) for i in reps], [tps(by[(i, "grpc")]) for i in reps]), 3
         ),
+        # median [min, max] of the per-repetition ratios and of each path's tokens/s
+        "http_vs_grpc_range": {
+            stat: round(v, 3)
+            for stat, v in common.spread(tps(by[(i, "http")]) / tps(by[(i, "grpc")]) for i in reps).items()
+        },
+        "tokens_per_s_range": {
+            p: {stat: round(v, 1) for stat, v in common.spread(tps(by[(i, p)]) for i in reps).items()}
+            for p in ("grpc", "http")
+        },
         "bytes_per_token": {
             "openai_sse": round(h["sse_bytes"] / h["tokens"], 1),
             "openai_json": round(sizes["json_bytes_one"] / sizes["json_tokens_one"], 1),
@@ -263,24 +272,25 @@ def summarise(runs: list[dict], sizes: dict, args, model_dir: Path, engine, star
 
 
 def table(r: dict) -> str:
-    k, tps, cpu, b = r["k"], r["tokens_per_s"], r["server_cpu_us_per_token"], r["bytes_per_token"]
+    k, cpu, b = r["k"], r["server_cpu_us_per_token"], r["bytes_per_token"]
     ccpu = r["client_cpu_us_per_token"]
     rows = [
         f"{r['engine']}, {r['requests']} concurrent x {r['tokens_per_request']} tokens, K = {k}, "
         f"median of {r['reps']} reps (start-up {r['startup_s']} s, "
-        f"1-min load average {r['load_average_1m']}; "
+        f"1-min load average {r['load_average_1m'][0]} -> {r['load_average_1m'][1]}; "
         f"both paths sampled the same tokens: {r['same_tokens']})",
         "",
-        f"{'path':<34}{'tok/s':>8}{'server cpu µs/tok':>20}{'client cpu µs/tok':>20}",
+        f"{'path':<34}{'tok/s median [min, max]':>26}{'server cpu µs/tok':>20}{'client cpu µs/tok':>20}",
         *(
-            f"{name:<34}{tps[p]:>8.0f}{cpu[p]:>20.0f}{ccpu[p]:>20.0f}"
+            f"{name:<34}{common.fmt_spread(r['tokens_per_s_range'][p], 0):>26}{cpu[p]:>20.0f}{ccpu[p]:>20.0f}"
             for p, name in (
                 ("grpc", "gRPC streaming (RolloutClient)"),
                 ("http", "HTTP streaming (SSE completions)"),
             )
         ),
         "",
-        f"HTTP/gRPC tokens/s: {r['http_vs_grpc']:.3f} (target >= {TARGET_HTTP_RATIO})",
+        f"HTTP/gRPC tokens/s: {common.fmt_spread(r['http_vs_grpc_range'], 3)} (median [min, max] of "
+        f"per-repetition ratios; target >= {TARGET_HTTP_RATIO})",
         f"bytes/token at K={k}: OpenAI completions SSE {b['openai_sse']:.0f}, completions JSON "
         f"{b['openai_json']:.0f}, chat JSON {b['openai_chat_json']:.0f}; gRPC chunks {b['grpc_chunks']:.0f}, "
         f"packed record {b['grpc_record']:.0f} (record / completions JSON {r['record_vs_openai_json']:.3f}, "
@@ -292,6 +302,16 @@ def table(r: dict) -> str:
     return "\n".join(rows)
 
 
+def headline(r: dict) -> dict[str, float]:
+    """The figures `--baseline` compares, from one run's JSON."""
+    return {
+        "HTTP/gRPC tokens/s": r["http_vs_grpc"],
+        "gRPC tokens/s": r["tokens_per_s"]["grpc"],
+        "HTTP tokens/s": r["tokens_per_s"]["http"],
+        "HTTP server µs/token": r["server_cpu_us_per_token"]["http"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_model(p)
@@ -300,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="tokens per request T")
     p.add_argument("--k", type=int, default=20, help="top-K logprobs")
     common.add_reps(p, 5)
+    common.add_baseline(p)
     p.add_argument("--threads", type=int, default=None, help="torch engine threads")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--client", nargs=2, metavar=("KIND", "TARGET"), help=argparse.SUPPRESS)  # child
@@ -311,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(asyncio.run(fn(target, args.requests, args.tokens, args.k))))
         return 0
 
+    if args.baseline:
+        return common.run_baseline(__file__, argv, args, headline, digits=3)
     with tempfile.TemporaryDirectory(prefix="maskroll-bench-http-") as tmp:
         if args.engine == "vllm":
             common.vllm_run_env(Path(tmp))

@@ -504,7 +504,8 @@ def summarise(runs: list[dict], sizes: dict[int, float]) -> list[dict]:
             if not rs:
                 continue
             n = rs[0]["records"]
-            rate = med(r["records"] / r["seconds"] for r in rs)
+            rates = common.spread(r["records"] / r["seconds"] for r in rs)
+            rate = rates["median"]
 
             def per_rec(key: str, scale: float = 1e6, rs=rs, n=n) -> float:
                 return med(r[key] / n * scale for r in rs)
@@ -516,6 +517,7 @@ def summarise(runs: list[dict], sizes: dict[int, float]) -> list[dict]:
                 "payload_bytes": sizes[tokens],
                 "seconds": med(r["seconds"] for r in rs),
                 "records_per_s": rate,
+                "records_per_s_range": rates,
                 "mb_per_s": rate * sizes[tokens] / 1e6,
                 "producer_cpu_us": per_rec("producer_cpu_s"),
                 "consumer_cpu_us": per_rec("consumer_cpu_s"),
@@ -534,7 +536,9 @@ def summarise(runs: list[dict], sizes: dict[int, float]) -> list[dict]:
             if mode != "maskroll" and mask:
                 # paired: repetition i of maskroll against repetition i of this mode (same N, back to back)
                 pairs = list(zip(mask, rs, strict=False))
-                row["maskroll_over_this"] = med(b["seconds"] / m["seconds"] for m, b in pairs)
+                ratios = common.spread(b["seconds"] / m["seconds"] for m, b in pairs)
+                row["maskroll_over_this"] = ratios["median"]
+                row["maskroll_over_this_range"] = ratios  # median [min, max] of the per-repetition ratios
                 row["maskroll_over_this_cpu"] = med(_total(b) / _total(m) for m, b in pairs)
             rows.append(row)
     return rows
@@ -579,13 +583,17 @@ def verdict(rows: list[dict]) -> list[str]:
             continue
         raw = these.pop("raw")
         ok = raw["maskroll_over_this"] >= TARGET_RATIO
+        mine = next(r for r in rows if r["tokens"] == tokens and r["mode"] == "maskroll")
         parts = [
-            f"T={tokens}: maskroll/raw = {raw['maskroll_over_this']:.2f} records/s "
+            f"T={tokens}: maskroll {common.fmt_spread(mine['records_per_s_range'], 0)} records/s, raw "
+            f"{common.fmt_spread(raw['records_per_s_range'], 0)}; "
+            f"maskroll/raw = {common.fmt_spread(raw['maskroll_over_this_range'], 2)} records/s "
             f"({'meets' if ok else 'misses'} the ≥ {TARGET_RATIO} target; CPU ratio "
             f"{raw['maskroll_over_this_cpu']:.2f})"
         ]
         parts += [
-            f"maskroll/{m} = {r['maskroll_over_this']:.2f} (CPU {r['maskroll_over_this_cpu']:.2f})"
+            f"maskroll/{m} = {common.fmt_spread(r['maskroll_over_this_range'], 2)} "
+            f"(CPU {r['maskroll_over_this_cpu']:.2f})"
             for m, r in these.items()
         ]
         out.append("; ".join(parts))
@@ -828,6 +836,7 @@ def machine(url: str) -> dict:
         "redis_py_parser": parser,
         "protobuf": f"{google.protobuf.__version__} ({api_implementation.Type()})",
         "loadavg_start": os.getloadavg(),
+        "load_average_1m": [common.load_1m()],
     }
 
 
@@ -837,7 +846,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], l
     p.add_argument("--tokens", type=int, action="append", help="T (repeatable); default 1024 and 8192")
     p.add_argument("--topk", type=int, default=20, help="K top logprobs per token")
     p.add_argument("--records", type=int, help="N records per run (rounded up to a multiple of 64)")
-    common.add_reps(p, 3, help="repetitions of each mode (median reported)")
+    common.add_reps(p, 3, help="repetitions of each mode (median [min, max] reported)")
+    common.add_baseline(p)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument(
         "--raw-client",
@@ -921,6 +931,8 @@ def run_modes(
 
 def main(argv: list[str] | None = None) -> int:
     args, modes, token_list = parse_args(argv)
+    if args.baseline:
+        return common.run_baseline(__file__, argv, args, headline, digits=2)
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
 
@@ -939,6 +951,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         runs, sizes = run_modes(server.url, args, modes, token_list)
     info["loadavg_end"] = os.getloadavg()
+    info["load_average_1m"].append(common.load_1m())
     rows = summarise(runs, sizes)
     if args.json:
         out = {"machine": info, "args": vars(args), "results": rows, "runs": runs, "verdict": verdict(rows)}
@@ -946,7 +959,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(table(rows))
         print("\n" + "\n".join(verdict(rows)))
+        print(f"median [min, max] over {args.reps} repetitions; 1-min load average "
+              f"{info['load_average_1m'][0]} -> {info['load_average_1m'][1]}")  # fmt: skip
     return 0
+
+
+def headline(result: dict) -> dict[str, float]:
+    """The figures `--baseline` compares, from one run's JSON: per T, maskroll's records/s and its
+    ratio to raw redis-py's."""
+    out = {}
+    for r in result["results"]:
+        if r["mode"] == "maskroll":
+            out[f"maskroll records/s T={r['tokens']}"] = r["records_per_s"]
+        elif r["mode"] == "raw":
+            out[f"maskroll/raw T={r['tokens']}"] = r["maskroll_over_this"]
+    return out
 
 
 if __name__ == "__main__":

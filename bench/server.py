@@ -33,6 +33,11 @@ server does (pydantic, no spaces, float32 widened to a Python float).
     python bench/server.py --stream-interval 8      # vLLM streams every 8th token: fewer, larger chunks
     python bench/server.py --chunk-interval-ms 0    # every engine output its own chunk (the old behaviour)
     python bench/server.py --scripted --reps 5      # serving CPU per token without vLLM (seconds)
+    python bench/server.py --scripted --reps 3 --baseline /tmp/base   # old tree vs this one, interleaved
+
+Every figure over repetitions is reported as median [min, max], with the 1-minute load average at the
+start and the end. `--baseline PATH` runs the same command (--reps 1) against another checkout and this
+tree in alternation (bench/common.py `interleave`), so that before / after figures come from one run.
 """
 
 from __future__ import annotations
@@ -40,7 +45,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -298,6 +302,7 @@ async def bench_scripted(args: argparse.Namespace) -> dict:
     from maskroll.server.config import ServerConfig
 
     n, t, kmax = args.requests, args.tokens, args.k
+    load_start = common.load_1m()
     engine = scripted_engine_class()(args.step_ms / 1e3, kmax, t)
     await engine.start()
     runs: list[dict] = []
@@ -323,12 +328,14 @@ async def bench_scripted(args: argparse.Namespace) -> dict:
         rows = [r for r in runs if r["k"] == k]
         grpc = [r["server_cpu_s"] / r["tokens"] for r in rows]
         inproc = [r["inprocess_cpu_s"] / r["tokens"] for r in rows]
+        serving = [1e6 * (g - e) for g, e in zip(grpc, inproc, strict=True)]
         out[f"k{k}"] = {
             # The median over the repetitions of back-to-back differences: the serving path's own CPU
             # per token (load drifts slowly, so pairing cancels most of what it adds to both).
             "serving_cpu_us_per_token": round(
                 1e6 * statistics.median(g - e for g, e in zip(grpc, inproc, strict=True)), 1
             ),
+            "serving_cpu_us_per_token_range": {s: round(v, 1) for s, v in common.spread(serving).items()},
             "engine_cpu_us_per_token": round(1e6 * statistics.median(inproc), 1),
             "client_cpu_us_per_token": round(
                 1e6 * statistics.median(r["client_cpu_s"] / r["tokens"] for r in rows), 1
@@ -341,8 +348,41 @@ async def bench_scripted(args: argparse.Namespace) -> dict:
             ),
             "first_token_ms_max": max(x for r in rows for x in r["first_token_ms"]),
         }
-    out["load_average_1m"] = round(os.getloadavg()[0], 2)
+    out["load_average_1m"] = [load_start, common.load_1m()]
     return out
+
+
+def scripted_summary(r: dict) -> str:
+    """--scripted in words: serving CPU per token as median [min, max] over the repetitions."""
+    k = r["k"]
+    return (
+        f"serving CPU per token (scripted engine, {r['requests']} x {r['tokens_per_request']} tokens, "
+        f"{r['reps']} reps): K=0 {common.fmt_spread(r['k0']['serving_cpu_us_per_token_range'])} µs, "
+        f"K={k} {common.fmt_spread(r[f'k{k}']['serving_cpu_us_per_token_range'])} µs "
+        f"(target <= {TARGET_SERVING_US:.0f} at K={k}); client K={k} "
+        f"{r[f'k{k}']['client_cpu_us_per_token']} µs; {r[f'k{k}']['tokens_per_chunk']} tokens/chunk; "
+        f"1-min load {r['load_average_1m'][0]} -> {r['load_average_1m'][1]}"
+    )
+
+
+def headline(r: dict) -> dict[str, float]:
+    """The figures `--baseline` compares, from one run's JSON (scripted or vLLM)."""
+    k = r["k"]
+    if "k0" in r:  # --scripted
+        return {
+            f"serving µs/token K={k}": r[f"k{k}"]["serving_cpu_us_per_token"],
+            "serving µs/token K=0": r["k0"]["serving_cpu_us_per_token"],
+            f"client µs/token K={k}": r[f"k{k}"]["client_cpu_us_per_token"],
+            f"engine µs/token K={k}": r[f"k{k}"]["engine_cpu_us_per_token"],
+        }
+    return {
+        f"serving µs/token K={k}": r["serving_cpu_us_per_token"][str(k)],
+        "serving µs/token K=0": r["serving_cpu_us_per_token"]["0"],
+        f"gRPC/in-process tok/s K={k}": r["ratios"]["grpc_vs_inprocess_k"],
+        "gRPC/in-process tok/s K=0": r["ratios"]["grpc_vs_inprocess_k0"],
+        f"K={k}/K=0 tok/s in-process": r["ratios"]["k_vs_k0_inprocess"],
+        f"client µs/token K={k}": r["client_cpu_us_per_token"][str(k)],
+    }
 
 
 # ---- orchestration ----------------------------------------------------------------------------------
@@ -360,7 +400,7 @@ async def bench(args: argparse.Namespace, model_dir: Path) -> dict:
         max_batch=n,
         config=EngineConfig(enforce_eager=True, vllm_args={"stream_interval": str(args.stream_interval)}),
     )
-    load_before = os.getloadavg()[0]
+    load_before = common.load_1m()
     t0 = time.perf_counter()
     await engine.start()
     startup = time.perf_counter() - t0
@@ -400,7 +440,7 @@ async def bench(args: argparse.Namespace, model_dir: Path) -> dict:
         if replica is not None:
             await replica.drain(timeout_s=0)
         await engine.close()
-    return summarise(runs, args, model_dir, engine.version, startup, (load_before, os.getloadavg()[0]))
+    return summarise(runs, args, model_dir, engine.version, startup, (load_before, common.load_1m()))
 
 
 def summarise(runs: list[dict], args, model_dir: Path, version: str, startup: float, load: tuple) -> dict:
@@ -465,6 +505,30 @@ def summarise(runs: list[dict], args, model_dir: Path, version: str, startup: fl
                 1,
             )
             for k in (0, kmax)
+        },
+        "serving_cpu_us_per_token_range": {
+            str(k): {
+                stat: round(v, 1)
+                for stat, v in common.spread(
+                    1e6 * (cpu_per_token(i, "grpc", k) - cpu_per_token(i, "inprocess", k))
+                    for i in range(args.reps)
+                ).items()
+            }
+            for k in (0, kmax)
+        },
+        # Per-repetition ratios of back-to-back runs, median [min, max].
+        "ratio_ranges": {
+            name: {
+                stat: round(v, 3)
+                for stat, v in common.spread(
+                    tps(by[(i, *num)]) / tps(by[(i, *den)]) for i in range(args.reps)
+                ).items()
+            }
+            for name, num, den in (
+                ("k_vs_k0_inprocess", ("inprocess", kmax), ("inprocess", 0)),
+                ("grpc_vs_inprocess_k", ("grpc", kmax), ("inprocess", kmax)),
+                ("grpc_vs_inprocess_k0", ("grpc", 0), ("inprocess", 0)),
+            )
         },
         # CPU of the client process per token (µs): on a shared machine it competes with the server.
         "client_cpu_us_per_token": {
@@ -548,16 +612,18 @@ def table(r: dict) -> str:
             f"{first[path]['0']:>16.1f}{first[path][str(k)]:>17.1f}"
         )
     chunking = r["chunk_settings"]
-    serving, client = r["serving_cpu_us_per_token"], r["client_cpu_us_per_token"]
+    serving, client = r["serving_cpu_us_per_token_range"], r["client_cpu_us_per_token"]
     rows += [
         "",
-        f"serving CPU per token (gRPC less in-process, the engine's excluded): K=0 {serving['0']:.1f} µs, "
-        f"K={k} {serving[str(k)]:.1f} µs; chunks every <= {chunking['chunk_interval_ms']} ms or "
+        f"serving CPU per token (gRPC less in-process, the engine's excluded), median [min, max]: K=0 "
+        f"{common.fmt_spread(serving['0'])} µs, K={k} {common.fmt_spread(serving[str(k)])} µs; "
+        f"chunks every <= {chunking['chunk_interval_ms']} ms or "
         f"{chunking['chunk_max_tokens']} tokens; the client process: K=0 {client['0']:.1f} µs, "
         f"K={k} {client[str(k)]:.1f} µs",
-        f"K={k}/K=0: in-process {ratios['k_vs_k0_inprocess']:.3f}, gRPC {ratios['k_vs_k0_grpc']:.3f}",
-        f"gRPC/in-process: K={k} {ratios['grpc_vs_inprocess_k']:.3f}, "
-        f"K=0 {ratios['grpc_vs_inprocess_k0']:.3f} "
+        f"K={k}/K=0: in-process {common.fmt_spread(r['ratio_ranges']['k_vs_k0_inprocess'], 3)}, "
+        f"gRPC {ratios['k_vs_k0_grpc']:.3f}",
+        f"gRPC/in-process: K={k} {common.fmt_spread(r['ratio_ranges']['grpc_vs_inprocess_k'], 3)}, "
+        f"K=0 {common.fmt_spread(r['ratio_ranges']['grpc_vs_inprocess_k0'], 3)} "
         f"(client in the server process: {ratios['grpc_1proc_vs_inprocess_k']:.3f})",
         f"bytes/token at K={k}: wire {r['wire_bytes_per_token']:.0f} (protobuf + gRPC prefix, "
         f"{r['tokens_per_chunk']:.2f} tokens/chunk), OpenAI JSON logprobs {r['json_bytes_per_token']:.0f}: "
@@ -576,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="tokens per request T")
     p.add_argument("--k", type=int, default=20, help="top-K logprobs in the K > 0 runs")
     common.add_reps(p, 5)
+    common.add_baseline(p)
     p.add_argument(
         "--stream-interval",
         type=int,
@@ -615,6 +682,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(asyncio.run(result)), flush=True)
         return 0
 
+    if args.baseline:
+        return common.run_baseline(__file__, argv, args, headline)
     # Only the settings given, so that the server's own defaults are what is measured otherwise.
     args.server_settings = {
         name: value
@@ -626,6 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.scripted:
         result = asyncio.run(bench_scripted(args))
+        print(scripted_summary(result), file=sys.stderr, flush=True)
         print(json.dumps(result, indent=2))
         return 0
 

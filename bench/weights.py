@@ -18,6 +18,10 @@ steady state is the replica's RSS just before it. Target (issue 13): peak - stea
 
     python bench/weights.py                      # N = 1 and 3, 3 repetitions
     python bench/weights.py --replicas 1 --reps 1 --json
+    python bench/weights.py --replicas 1 --engine vllm      # a vLLM replica (on a GPU where there is one)
+    python bench/weights.py --replicas 1 --baseline /tmp/base   # old tree vs this one, interleaved
+
+Seconds are median / min / max over the repetitions, with the 1-minute load average at start and end.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ class RssPeak:
         return [self.peak[p] - self.steady[p] for p in self.pids]
 
 
-def measure(n: int, reps: int, model_dir: Path, tmp: Path, chunk: int) -> dict:
+def measure(n: int, reps: int, model_dir: Path, tmp: Path, chunk: int, engine: str = "torch") -> dict:
     from safetensors.torch import load_file
 
     from maskroll.client import RolloutQueue
@@ -90,7 +94,8 @@ def measure(n: int, reps: int, model_dir: Path, tmp: Path, chunk: int) -> dict:
     root.mkdir()
     out: dict = {"replicas": n, "model_mb": model_mb, "directory": [], "stream": []}
     with common.open_store() as srv:
-        serve = ["--engine", "torch", "--port", "0", "--threads", "1", "--namespace", f"bench{n}", "--pull"]
+        serve = ["--engine", engine, "--port", "0", "--namespace", f"bench{n}", "--pull"]
+        serve += ["--threads", "1"] if engine == "torch" else []
         serve += ["--weights-root", str(root), "--heartbeat-ttl-s", "30"]
         serve += ["--max-message-bytes", str(64 << 20)]
         env = {"OMP_NUM_THREADS": "1", "MASKROLL_REDIS_URL": srv.url}
@@ -128,6 +133,7 @@ def measure(n: int, reps: int, model_dir: Path, tmp: Path, chunk: int) -> dict:
                             f"  N={n} {kind:9s} {seconds:6.2f} s  RSS +{max(rss.growth()):.0f} MB  "
                             f"CPU trainer {out[kind][-1]['trainer_cpu_s']:.2f} s, replicas "
                             f"{' '.join(f'{c:.2f}' for c in out[kind][-1]['replica_cpu_s'])} s",
+                            file=sys.stderr,  # stdout: the result
                             flush=True,
                         )
         finally:
@@ -138,6 +144,7 @@ def measure(n: int, reps: int, model_dir: Path, tmp: Path, chunk: int) -> dict:
         s = seconds["median"]
         out[f"{kind}_median_s"] = s
         out[f"{kind}_min_s"] = seconds["min"]
+        out[f"{kind}_max_s"] = seconds["max"]
         out[f"{kind}_replica_cpu_s"] = statistics.median(c for x in out[kind] for c in x["replica_cpu_s"])
         out[f"{kind}_trainer_cpu_s"] = statistics.median(x["trainer_cpu_s"] for x in out[kind])
         out[f"{kind}_steady_mb"] = statistics.median(m for x in out[kind] for m in x["steady_mb"])
@@ -156,29 +163,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 3])
     common.add_reps(p, 3, help="timed repetitions after one warm-up per transport (median and min)")
     p.add_argument("--layers", type=int, default=7)
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size (heads of 64)")
     p.add_argument("--chunk-mib", type=float, default=None, help="stream chunk size (default: the SDK's)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--engine", choices=("torch", "vllm"), default="torch", help="the replicas' engine (vllm: on a GPU)"
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON (the table on stderr)")
+    common.add_baseline(p)
     a = p.parse_args(argv)
+    if a.baseline:
+        return common.run_baseline(__file__, argv, a, headline, digits=2)
     from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES
 
     chunk = DEFAULT_CHUNK_BYTES if a.chunk_mib is None else int(a.chunk_mib * (1 << 20))
-    load = os.getloadavg()[0]
+    load = common.load_1m()
     with tempfile.TemporaryDirectory(prefix="maskroll-wbench-") as d:
         tmp = Path(d)
-        model_dir = common.model_dir(None, tmp, hidden=1024, heads=16, layers=a.layers)
-        results = [measure(n, a.reps, model_dir, tmp, chunk) for n in a.replicas]
+        heads = max(1, a.hidden // 64)
+        model_dir = common.model_dir(None, tmp, hidden=a.hidden, heads=heads, layers=a.layers)
+        if a.engine == "vllm":
+            common.vllm_run_env(tmp)
+        results = [measure(n, a.reps, model_dir, tmp, chunk, a.engine) for n in a.replicas]
+    for r in results:
+        r["load_average_1m"] = [load, common.load_1m()]
     if a.json:
         print(json.dumps(results, indent=2))
+    # With --json the table goes to stderr: stdout is one JSON document.
+    out = sys.stderr if a.json else sys.stdout
     print(
         f"model: {results[0]['model_mb']:.0f} MB float32; chunk {chunk / (1 << 20):g} MiB; {a.reps} reps "
-        f"after a warm-up; {os.cpu_count()} CPUs, load average {load:.1f} -> {os.getloadavg()[0]:.1f}"
+        f"after a warm-up; {os.cpu_count()} CPUs, 1-min load average {load:.1f} -> {common.load_1m():.1f}",
+        file=out,
     )
     print(
-        "| replicas | transport | seconds (median / min) | MB/s per replica | MB/s aggregate "
+        "| replicas | transport | seconds: median [min, max] | MB/s per replica | MB/s aggregate "
         "| CPU s per replica | CPU s trainer | peak RSS growth MB (median / max) "
-        "| replica RSS MB (steady / peak) |"
+        "| replica RSS MB (steady / peak) |",
+        file=out,
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|", file=out)
     for r in results:
         for kind in ("directory", "stream"):
             s, per, agg = (
@@ -187,13 +210,24 @@ def main(argv: list[str] | None = None) -> int:
                 r[f"{kind}_mb_per_s_aggregate"],
             )
             print(
-                f"| {r['replicas']} | {kind} | {s:.2f} / {r[f'{kind}_min_s']:.2f} | {per:.0f} | {agg:.0f} "
+                f"| {r['replicas']} | {kind} | {s:.2f} [{r[f'{kind}_min_s']:.2f}, {r[f'{kind}_max_s']:.2f}] "
+                f"| {per:.0f} | {agg:.0f} "
                 f"| {r[f'{kind}_replica_cpu_s']:.2f} | {r[f'{kind}_trainer_cpu_s']:.2f} "
                 f"| {r[f'{kind}_median_rss_growth_mb']:.0f} / {r[f'{kind}_max_rss_growth_mb']:.0f} "
-                f"| {r[f'{kind}_steady_mb']:.0f} / {r[f'{kind}_peak_mb']:.0f} |"
+                f"| {r[f'{kind}_steady_mb']:.0f} / {r[f'{kind}_peak_mb']:.0f} |",
+                file=out,
             )
-    print(f"RSS target: model + chunk = {results[0]['model_mb'] + chunk / 1e6:.0f} MB")
+    print(f"RSS target: model + chunk = {results[0]['model_mb'] + chunk / 1e6:.0f} MB", file=out)
     return 0
+
+
+def headline(results: list) -> dict[str, float]:
+    """The figures `--baseline` compares, from one run's JSON: seconds per transport and N."""
+    return {
+        f"{kind} s, N={r['replicas']}": r[f"{kind}_median_s"]
+        for r in results
+        for kind in ("stream", "directory")
+    }
 
 
 if __name__ == "__main__":

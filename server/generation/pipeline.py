@@ -83,17 +83,20 @@ class _StreamedSample:
         self._timer: asyncio.TimerHandle | None = None
 
     def add(self, out: EngineOutput) -> None:
+        # Runs once per engine output (one token per sequence per vLLM step): the held count is read once.
         b = self.builder
         if b.changes_version(out):
             self._send(b.take_chunk())
         b.hold(out)
         if out.finish_reason is not None:
             self._send(b.finish(out.finish_reason, out.policy_version, time.time()))
-        elif b.held_tokens and (
-            b.sent_tokens == 0 or b.held_tokens >= self._max_tokens or not self._rule.interval_s
-        ):
+            return
+        held = b.held_tokens
+        if not held:
+            return
+        if b.sent_tokens == 0 or held >= self._max_tokens or not self._rule.interval_s:
             self._send(b.take_chunk())
-        elif b.held_tokens and self._timer is None:
+        elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._rule.interval_s, self._due)
 
     def _due(self) -> None:

@@ -57,15 +57,31 @@ def version_history(
     return first, last, changes
 
 
-def _field(outputs: list[EngineOutput], name: str, dtype, t: int, tail: tuple[int, ...]) -> np.ndarray:
+_I32, _F32 = np.dtype(np.int32), np.dtype(np.float32)
+
+
+def _joined(arrays: list, dtype: np.dtype, t: int, tail: tuple[int, ...]) -> np.ndarray:
     """One array field of outputs that all have tokens, joined: [t] or [t, *tail] (a single output's
     array of the right dtype is not copied)."""
-    if not outputs:
+    if not arrays:
         return np.zeros((0, *tail), dtype)
-    if len(outputs) == 1:
-        a = np.asarray(getattr(outputs[0], name), dtype)
-    else:
-        a = np.concatenate([getattr(o, name) for o in outputs]).astype(dtype, copy=False)
+    if len(arrays) == 1:
+        return _shaped(np.asarray(arrays[0], dtype), t, tail)
+    # The bytes of C-ordered [t_i, *tail] arrays, joined, are those of their concatenation along axis 0.
+    # np.concatenate costs ~1 µs per input (dtype and shape resolution), several times a small array's
+    # tobytes, and an engine's outputs are mostly of one token: this is the per-chunk cost of a streamed
+    # sample (bench/server.py --scripted). A bytearray keeps the result writable. `is`: numpy's native
+    # dtypes are singletons; anything else (another dtype, a list from a fake engine) is concatenated.
+    try:
+        parts = [x.tobytes() for x in arrays if x.dtype is dtype]
+    except AttributeError:
+        parts = []
+    if len(parts) == len(arrays):
+        return _shaped(np.frombuffer(bytearray().join(parts), dtype), t, tail)
+    return _shaped(np.concatenate(arrays).astype(dtype, copy=False), t, tail)
+
+
+def _shaped(a: np.ndarray, t: int, tail: tuple[int, ...]) -> np.ndarray:
     return a.reshape(t, *tail) if tail else a  # explicit t: -1 cannot be inferred when K = 0
 
 
@@ -73,13 +89,13 @@ def merge(outputs: list[EngineOutput], k: int, version: int) -> EngineOutput:
     """Consecutive outputs of one policy version (`version`) as one output; outputs without tokens add
     nothing ([0] and [0, K] both mean "no tokens"). No finish reason: the caller knows the sample's end."""
     outs = [o for o in outputs if len(o.token_ids)]
-    t = sum(len(o.token_ids) for o in outs)
+    t = sum([len(o.token_ids) for o in outs])
     return EngineOutput(
-        token_ids=_field(outs, "token_ids", np.int32, t, ()),
-        sampled_logprobs=_field(outs, "sampled_logprobs", np.float32, t, ()),
-        sampled_ranks=_field(outs, "sampled_ranks", np.int32, t, ()),
-        topk_ids=_field(outs, "topk_ids", np.int32, t, (k,)),
-        topk_logprobs=_field(outs, "topk_logprobs", np.float32, t, (k,)),
+        token_ids=_joined([o.token_ids for o in outs], _I32, t, ()),
+        sampled_logprobs=_joined([o.sampled_logprobs for o in outs], _F32, t, ()),
+        sampled_ranks=_joined([o.sampled_ranks for o in outs], _I32, t, ()),
+        topk_ids=_joined([o.topk_ids for o in outs], _I32, t, (k,)),
+        topk_logprobs=_joined([o.topk_logprobs for o in outs], _F32, t, (k,)),
         policy_version=version,
     )
 
@@ -168,14 +184,14 @@ def check_output(out: EngineOutput, k: int) -> None:
     if out.finish_reason not in _FINISH_REASONS:
         raise RuntimeError(f"engine output finish_reason {out.finish_reason!r} is not stop / length / abort")
     t = len(out.token_ids)
-    wanted = ((t,), (t,), (t, k), (t, k))
     arrays = (out.sampled_logprobs, out.sampled_ranks, out.topk_ids, out.topk_logprobs)
     try:  # the attribute where the engine built arrays: np.shape costs several times more, per token
         got = (arrays[0].shape, arrays[1].shape, arrays[2].shape, arrays[3].shape)
     except AttributeError:
         got = tuple(np.shape(a) for a in arrays)
-    if got == wanted:  # every output of a healthy engine: one comparison
+    if got == ((t,), (t,), (t, k), (t, k)):  # every output of a healthy engine: one comparison
         return
+    wanted = ((t,), (t,), (t, k), (t, k))
     names = ("sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs")
     for name, g, w in zip(names, got, wanted, strict=True):
         # [0] and [0, K] are the same empty array: engines may build empty outputs either way.

@@ -13,6 +13,7 @@ from maskroll.server.generation.records_builder import (
     SampleBuilder,
     build_record,
     check_output,
+    merge,
     semantics_for,
     version_history,
 )
@@ -183,3 +184,38 @@ def test_outputs_given_as_lists_are_checked_and_joined_as_arrays():
     o.topk_ids = [[5, 1], [6, 1]]
     with pytest.raises(RuntimeError, match=r"topk_ids has shape \(2, 2\), expected \(2, 3\)"):
         check_output(o, K)
+
+
+def test_merge_joins_strided_views_other_dtypes_and_lists_into_writable_arrays():
+    # The byte-join fast path (engine arrays of the right dtype, here strided views of one table) and the
+    # concatenate path (int64 ids, lists) give the same arrays as np.concatenate, writable, [t, K].
+    table = np.arange(40, dtype=np.int32).reshape(10, 4)  # column 0: the token, 1..3: its top-K ids
+    views = [
+        EngineOutput(
+            token_ids=table[i : i + 1, 0],
+            sampled_logprobs=-table[i : i + 1, 0].astype(np.float32),
+            sampled_ranks=np.ones(1, np.int32),
+            topk_ids=table[i : i + 1, 1:],
+            topk_logprobs=np.full((1, K), -0.5 * i, np.float32),
+            policy_version=0,
+        )
+        for i in range(3)
+    ]
+    merged = merge([*views, out([], 0)], K, 0)
+    np.testing.assert_array_equal(merged.token_ids, [0, 4, 8])
+    np.testing.assert_array_equal(merged.topk_ids, [[1, 2, 3], [5, 6, 7], [9, 10, 11]])
+    np.testing.assert_array_equal(merged.topk_logprobs[:, 0], np.float32([0.0, -0.5, -1.0]))
+    assert merged.topk_ids.dtype == np.int32 and merged.topk_logprobs.shape == (3, K)
+    merged.topk_ids[0, 0] = 99  # writable, and a copy: the engine's table is untouched
+    assert table[0, 1] == 1
+    wide = EngineOutput(**{**views[2].__dict__, "token_ids": np.array([8], np.int64)})
+    mixed = merge([views[0], wide, views[1]], K, 0)
+    assert mixed.token_ids.dtype == np.int32 and mixed.token_ids.tolist() == [0, 8, 4]
+    listed = EngineOutput(
+        token_ids=[7, 9], sampled_logprobs=[-1.0, -2.0], sampled_ranks=[1, 1],
+        topk_ids=[[1, 2, 3], [4, 5, 6]], topk_logprobs=[[0.0] * K, [-1.0] * K], policy_version=0,
+    )  # fmt: skip
+    both = merge([views[0], listed], K, 0)
+    np.testing.assert_array_equal(both.topk_ids, [[1, 2, 3], [1, 2, 3], [4, 5, 6]])
+    assert both.sampled_logprobs.dtype == np.float32 and both.sampled_logprobs.tolist() == [0.0, -1.0, -2.0]
+    assert merge([out([], 0)], 0, 0).topk_ids.shape == (0, 0)
