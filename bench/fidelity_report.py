@@ -234,3 +234,49 @@ def figure(summary: Mapping, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ---- learning curves ---------------------------------------------------------------------------------
+
+
+def curves_markdown(summary: Mapping, title: str) -> str:
+    """Held-out accuracy per rule and step (mean over seeds [95 % interval]), the gain, and each rule's
+    paired difference from DPPO."""
+    rules = list(summary["rules"])
+    steps = sorted({int(s) for r in rules for s in summary["rules"][r]})
+    lines = [title, "", "| rule | " + " | ".join(f"step {s}" for s in steps) + " | gain (last − 0) |"]
+    lines.append("|---|" + "---|" * (len(steps) + 1))
+    for r in rules:
+        cells = [
+            fmt_ci(summary["rules"][r].get(s, summary["rules"][r].get(str(s), {})), signed=False, digits=2)
+            for s in steps
+        ]
+        lines.append(f"| {r} | " + " | ".join(cells) + f" | {fmt_ci(summary['gain'][r], digits=2)} |")
+    lines += ["", "| rule − DPPO | " + " | ".join(f"step {s}" for s in steps) + " |"]
+    lines.append("|---|" + "---|" * len(steps))
+    for r, by_step in summary["diff"].items():
+        cells = [fmt_ci(by_step.get(s, by_step.get(str(s), {})), digits=2) for s in steps]
+        lines.append(f"| {r} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def curves_figure(summary: Mapping, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r, by_step in summary["rules"].items():
+        steps = sorted(by_step, key=int)
+        x = [int(s) for s in steps]
+        mean = [by_step[s]["mean"] for s in steps]
+        ax.plot(x, mean, marker="o", label=r)
+        ax.fill_between(x, [by_step[s]["lo"] for s in steps], [by_step[s]["hi"] for s in steps], alpha=0.15)
+    ax.set_xlabel("optimiser step")
+    ax.set_ylabel("held-out accuracy (greedy)")
+    ax.set_title("SmolLM2-135M (4-bit, dequantised), arithmetic")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,15 +1,17 @@
-"""One run of the fidelity study: a seeded tiny model trained on the demo's digits task for a few steps,
-every mask rule scored against the realised change of D (docs/math.md §7).
+"""One run of the fidelity study: a seeded tiny model trained on the demo's digits task for a few steps
+(or SmolLM2-135M-Instruct on arithmetic word problems, `model="smollm2"`), every mask rule scored against
+the realised change of D (docs/math.md §7).
 
-Per step: the in-process torch engine samples a batch (records built by the server's own
-`records_builder`, so μ is the engine's processed distribution, temperature 1, no truncation), lagging
-`staleness` policy versions behind the trainer as the demo's queue does. Every rule's mask is computed on
-the same (model, batch). Each rule other than the training rule takes its own step on a shadow copy (same
+Per step: the in-process torch engine samples a batch (records built by the server's own `records_builder`,
+so μ is the engine's processed distribution, temperature 1, no truncation), lagging `staleness` policy
+versions behind the trainer as the demo's queue does, in `engine_dtype` (bfloat16: the replicas sample in
+lower precision than the learner computes, the paper's precision axis). Every rule's mask is computed on the
+same (model, batch). Each rule other than the training rule takes its own step on a shadow copy (same
 weights, same optimiser state); ONE rule — `train_rule` — takes the real step. So every rule is scored
-twice: against its own step ("own") and against the real step ("shared"). The error decomposition then
-takes a few far tokens and measures ΔD under a step of the token's logits alone (what the closed form
-assumes) and, in a float64 copy of the pre-step model, under a small step along that token's own loss
-gradient alone and under a small step along the whole batch's gradient.
+twice: against its own step ("own") and against the real step ("shared"). The error decomposition then takes
+a few far tokens and measures ΔD under a step of the token's logits alone (what the closed form assumes)
+and, in a float64 copy of the pre-step model, under a small step along that token's own loss gradient alone
+and under a small step along the whole batch's gradient.
 
 Knows nothing of statistics across seeds (fidelity_stats) or of the report (fidelity_report).
 """
@@ -17,12 +19,12 @@ Knows nothing of statistics across seeds (fidelity_stats) or of the report (fide
 from __future__ import annotations
 
 import asyncio
-import collections
 import copy
 import math
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 from fidelity_stats import Counts, add, disagreement_counts, rule_counts
 
-from maskroll.recipes import digits
+from maskroll.recipes import arithmetic, digits
 from maskroll.recipes.grpo import completion_logits, masks
 from maskroll.server.engines.contract import EngineRequest, SamplingParams
 from maskroll.server.engines.torch_engine import TorchEngine
@@ -62,6 +64,8 @@ class RunConfig:
     seed: int
     optimizer: Literal["sgd", "adam"]
     lr: float
+    model: Literal["tiny", "smollm2"] = "tiny"  # tiny: digits task; smollm2: arithmetic word problems
+    engine_dtype: Literal["float32", "bfloat16"] = "float32"  # the sampler's; the learner is float32
     steps: int = 8
     prompts_per_step: int = 8  # the demo's batch: 8 prompts × 8 samples × ≤ 16 tokens
     n: int = 8
@@ -114,13 +118,23 @@ def sample_batch(
     return runner.run(all_samples())
 
 
-def push_weights(engine: TorchEngine, runner: asyncio.Runner, state: dict, version: int, root: Path) -> None:
+def save_version(state: dict, version: int, root: Path) -> Path:
+    """The trainer's weights as policy version `version`, in root/v<version>/model.safetensors. Cloned
+    per tensor: a tied model's embed_tokens and lm_head share storage, which safetensors refuses."""
     from safetensors.torch import save_file
 
     d = root / f"v{version}"
     d.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(d / "model.safetensors"))
-    runner.run(engine.update_weights(version, d))
+    save_file({k: v.detach().clone() for k, v in state.items()}, str(d / "model.safetensors"))
+    return d
+
+
+def drop_versions_before(version: int, root: Path) -> None:
+    import shutil
+
+    for d in root.glob("v*"):
+        if int(d.name[1:]) < version:
+            shutil.rmtree(d)
 
 
 def rows(b: Batch, idx: list[int]) -> Batch:
@@ -352,6 +366,30 @@ def own_steps(
     return out, len(done)
 
 
+Rewarder = Callable[[np.ndarray], float]
+
+
+def task_sampler(
+    cfg: RunConfig, model_dir: Path
+) -> Callable[[random.Random, int], tuple[list, list[Rewarder]]]:
+    """(rng, count) -> (prompt ids, one reward function per prompt): the model's task, chosen once."""
+    if cfg.model == "tiny":
+        encode = digits.encoder(model_dir)
+
+        def draw_digits(rng: random.Random, count: int) -> tuple[list, list[Rewarder]]:
+            texts = digits.prompts(rng, count)
+            return [encode(t) for t in texts], [lambda ids: digits.digit_reward(ids, cfg.max_tokens)] * count
+
+        return draw_digits
+    task = arithmetic.Task(model_dir)
+
+    def draw_arithmetic(rng: random.Random, count: int) -> tuple[list, list[Rewarder]]:
+        ps = arithmetic.problems(rng, count)
+        return [task.encode(p) for p in ps], [task.rewarder(p) for p in ps]
+
+    return draw_arithmetic
+
+
 def run(cfg: RunConfig, model_dir: Path) -> dict:
     """Train `cfg.steps` steps; return pooled counts per rule and estimator, per-step logs, decomposition."""
     import transformers
@@ -364,19 +402,25 @@ def run(cfg: RunConfig, model_dir: Path) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
     opt = OPTIMIZERS[cfg.optimizer](model.parameters(), lr=cfg.lr)
     shadow = copy.deepcopy(model)
-    encode = digits.encoder(model_dir)
+    draw = task_sampler(cfg, model_dir)
     rng, pick_rng = random.Random(cfg.seed), np.random.default_rng(cfg.seed)
-    history = collections.deque([{k: v.detach().clone() for k, v in model.state_dict().items()}])
     counts: dict[str, dict[str, Counts]] = {}
     steps, rows_out = [], []
-    engine = TorchEngine(model_dir, max_logprobs=cfg.logprobs_k, max_batch=cfg.batch_size, threads=1)
+    engine = TorchEngine(
+        model_dir,
+        max_logprobs=cfg.logprobs_k,
+        max_batch=cfg.batch_size,
+        threads=1,
+        dtype=getattr(torch, cfg.engine_dtype),
+    )
     with asyncio.Runner() as runner, tempfile.TemporaryDirectory(prefix="fidelity-ckpt-") as ckpt:
         runner.run(engine.start())
         try:
             for step in range(1, cfg.steps + 1):
-                prompts = [encode(p) for p in digits.prompts(rng, cfg.prompts_per_step)]
+                prompts, rewarders = draw(rng, cfg.prompts_per_step)
                 records = sample_batch(engine, runner, prompts, cfg, step)
-                b = collate(records, [digits.digit_reward(r.completion_ids, cfg.max_tokens) for r in records])
+                # sample_batch returns prompt i's n samples at [i·n, (i + 1)·n)
+                b = collate(records, [rewarders[k // cfg.n](r.completion_ids) for k, r in enumerate(records)])
                 step_counts_, rows, log = train_step(model, opt, shadow, b, cfg, step, pick_rng)
                 for table, by_key in step_counts_.items():
                     pooled = counts.setdefault(table, {})
@@ -385,11 +429,13 @@ def run(cfg: RunConfig, model_dir: Path) -> dict:
                 rows_out += rows
                 steps.append(log)
                 # The engine serves version step − staleness for the next batch (the trainer is at `step`).
-                history.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-                while len(history) > cfg.staleness + 1:
-                    history.popleft()
+                # Versions wait on disk, not in RAM (a SmolLM2 state is 0.54 GB; staleness 3 kept four)
+                save_version(model.state_dict(), step, Path(ckpt))
                 if step - cfg.staleness >= 1:
-                    push_weights(engine, runner, history[0], step - cfg.staleness, Path(ckpt))
+                    runner.run(
+                        engine.update_weights(step - cfg.staleness, Path(ckpt) / f"v{step - cfg.staleness}")
+                    )
+                    drop_versions_before(step - cfg.staleness, Path(ckpt))
         finally:
             runner.run(engine.close())
     return {

@@ -260,3 +260,33 @@ def summarise(runs: Sequence[Mapping], *, reps: int = 10_000, reference: str = "
             per_seed = np.nanmean(x, axis=0) if x.size else x[0]
             pooled[k] = bootstrap_ci(per_seed, reps=reps)
     return {"settings": settings, "all_settings_diff": pooled}
+
+
+# ---- learning curves: held-out accuracy per rule and step, paired by seed ---------------------------
+
+
+def curve_summary(runs: Sequence[Mapping], *, reps: int = 10_000, reference: str = "dppo") -> dict:
+    """Per rule and evaluation step: mean held-out accuracy over seeds with its interval, and the paired
+    difference from `reference` (per seed, at the same step); plus each rule's gain (last − step 0)."""
+    by_rule: dict[str, dict[int, dict[int, float]]] = {}  # rule -> step -> seed -> accuracy
+    for r in runs:
+        per_step = by_rule.setdefault(r["config"]["rule"], {})
+        for e in r["accuracy"]:
+            per_step.setdefault(e["step"], {})[r["config"]["seed"]] = e["accuracy"]
+    out: dict = {"rules": {}, "diff": {}, "gain": {}}
+    for rule, per_step in by_rule.items():
+        out["rules"][rule] = {
+            s: bootstrap_ci(list(v.values()), reps=reps) for s, v in sorted(per_step.items())
+        }
+        first, last = min(per_step), max(per_step)
+        common = sorted(set(per_step[first]) & set(per_step[last]))
+        out["gain"][rule] = bootstrap_ci([per_step[last][k] - per_step[first][k] for k in common], reps=reps)
+    ref = by_rule.get(reference, {})
+    for rule, per_step in by_rule.items():
+        if rule == reference:
+            continue
+        for s, v in sorted(per_step.items()):
+            common = sorted(set(v) & set(ref.get(s, {})))
+            diffs = [v[k] - ref[s][k] for k in common]
+            out["diff"].setdefault(rule, {})[s] = bootstrap_ci(diffs, reps=reps)
+    return out
