@@ -29,12 +29,20 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "maskroll.server.healthcheck:main",
     ),
     "init-model": (
-        "write a seeded tiny Llama model with a byte-level tokenizer",
+        "write a seeded tiny Llama model with a byte-level tokenizer, or SmolLM2-135M (--from smollm2)",
         "maskroll.app.model_init:main",
     ),
     "redis": (
         "a Redis on 127.0.0.1 for trying maskroll on one machine (prints its URL; Ctrl-C stops it)",
         "maskroll.local.redis_server:main",
+    ),
+    "reward": (
+        "the reward stage: score a namespace's finished records with MODULE:FUNCTION, publish them scored",
+        "maskroll.app.reward:main",
+    ),
+    "teacher": (
+        "the teacher stage: score a namespace's finished records on teacher replicas, attach their top-K",
+        "maskroll.app.teacher:main",
     ),
     "serve": (
         "serve rollouts over gRPC and HTTP/OpenAI (vLLM or the torch reference engine)",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -46,13 +47,23 @@ class DemoConfig:
     engine: the replicas' engine: vllm, torch, or auto = vllm if installed, else torch
     trainer: maskroll: the GRPO recipe; trl: TRL's GRPOTrainer as MaskrollGRPOTrainer (recipes/trl_grpo.py)
     replicas: pull-mode replicas to start
+    reward_workers: score the rollouts with this many `maskroll reward` processes (the reward stage) instead
+        of in the trainer; 0: in the trainer
     spawn: start a private Redis and the replicas (--no-spawn: use an existing Redis and replicas)
     redis_url: the existing Redis (--no-spawn); default $MASKROLL_REDIS_URL
     namespace: the queue namespace the replicas serve
     weights_dir: checkpoints: the trainer's copy (stream) or the replicas' weights root (directory)
-    model: model directory (default: <out>/model)
+    model: model directory (default: <out>/model, a tiny init-model on the digits task); `smollm2`:
+        SmolLM2-135M-Instruct (init-model --from smollm2; 4-bit weights, dequantised) on arithmetic word
+        problems (recipes/arithmetic.py), with its own defaults for the other flags (SMOLLM2_DEFAULTS)
     weight_transport: stream: push weights to the replicas over gRPC (default); directory: a shared weights
         root
+    distill: a teacher model directory (e.g. an earlier demo's <out>/final, same tokenizer): train the
+        student by on-policy distillation from it — a teacher replica and a `maskroll teacher` process attach
+        its scores to every rollout (docs/rewards.md "The teacher stage"); pure distillation unless
+        --distill-weight
+    distill_weight: with --distill, mix: advantage = the RL advantage + this × (log π_teacher − log π) per
+        token; unset: the distillation term alone (weight 1)
     """
 
     out: Path = Path("maskroll-demo")
@@ -60,18 +71,41 @@ class DemoConfig:
     engine: Engine = "auto"
     trainer: Trainer = "maskroll"
     replicas: int = 2
+    reward_workers: int = 0
     spawn: bool = True
     redis_url: str | None = field(default_factory=lambda: os.environ.get("MASKROLL_REDIS_URL"))
     namespace: str = "demo"
     weights_dir: Path | None = None
     model: Path | None = None  # written by init-model when unset
     weight_transport: WeightTransport = "stream"
+    distill: Path | None = None
+    distill_weight: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.grpo, GRPOConfig):
             raise TypeError(f"DemoConfig.grpo must be a GRPOConfig, got {type(self.grpo).__name__}")
         if not (isinstance(self.replicas, int) and self.replicas >= 1):
             raise ValueError(f"DemoConfig.replicas={self.replicas!r}; expected an int >= 1")
+        if not (isinstance(self.reward_workers, int) and 0 <= self.reward_workers <= 64):
+            raise ValueError(f"DemoConfig.reward_workers={self.reward_workers!r}; expected an int in [0, 64]")
+        if self.reward_workers and not self.spawn:
+            raise ValueError(
+                "--reward-workers starts reward processes: it needs the demo to spawn (no --no-spawn)"
+            )
+        if self.distill is not None and (not self.spawn or self.trainer != "maskroll" or self.is_smollm2):
+            raise ValueError(
+                "--distill starts a teacher replica and a teacher stage for the GRPO recipe on the digits "
+                "task: it needs the demo to spawn, --trainer maskroll and the tiny model"
+            )
+        w = self.distill_weight
+        if w is not None and (self.distill is None or not math.isfinite(w)):
+            raise ValueError(f"--distill-weight {self.distill_weight} needs --distill and a finite value")
+        if self.is_smollm2 and (self.trainer != "maskroll" or self.reward_workers):
+            given = f"--trainer {self.trainer}" if self.trainer != "maskroll" else "--reward-workers"
+            raise ValueError(
+                "--model smollm2 runs the GRPO recipe with the arithmetic task scored in the trainer; "
+                f"{given} is not supported with it yet"
+            )
         if not self.spawn and not (
             self.redis_url and self.model and (self.weights_dir or self.weight_transport == "stream")
         ):
@@ -83,6 +117,16 @@ class DemoConfig:
                 "--no-spawn needs --redis-url, --model and, with --weight-transport directory, --weights-dir "
                 f"(the replicas' weights root); unset: {unset}"
             )
+
+    @property
+    def is_smollm2(self) -> bool:
+        return self.model is not None and str(self.model) == "smollm2"
+
+
+# `maskroll demo --model smollm2`: a pretrained 135M model needs a learning rate ~100× below the tiny
+# model's 2e-3 and fewer, shorter rollouts per step to fit 2 CPU cores; the flags still override each.
+# Measured on 2 loaded cores (README): these 6 steps took 618 s and held-out accuracy went 0.06 → 0.23.
+SMOLLM2_DEFAULTS = GRPOConfig(steps=6, prompts_per_step=4, n=8, max_tokens=10, lr=2e-5)
 
 
 # The flags of `maskroll demo`, in --help order: each is the field at this path (app/flags.py).
@@ -97,6 +141,9 @@ FLAGS = (
     "engine",
     "trainer",
     "replicas",
+    "reward_workers",
+    "distill",
+    "distill_weight",
     "grpo.prompts_per_step",
     "grpo.n",
     "grpo.max_tokens",
@@ -115,6 +162,9 @@ class Cluster:
         self.cfg, self.model, self.weights, self.log_dir = cfg, model, weights, log_dir
         self.redis = None
         self.replicas: list[LocalReplica] = []
+        self.rewarders: list = []  # `maskroll reward` processes (--reward-workers)
+        self.teachers: list[LocalReplica] = []  # the teacher replica (--distill)
+        self.teacher_stage = None  # its `maskroll teacher` process
         self.url = cfg.redis_url
 
     def __enter__(self) -> Cluster:
@@ -143,14 +193,64 @@ class Cluster:
                 own_session=True,
             )
             self.replicas.append(replica.start())
+        for i in range(self.cfg.reward_workers):
+            self.rewarders.append(self._rewarder(i))
+        if self.cfg.distill is not None:
+            args = ["--model", Path(self.cfg.distill).resolve(), "--engine", self.cfg.engine, "--port", "0"]
+            args += ["--threads", str(threads), "--max-logprobs", str(self.cfg.grpo.logprobs_k)]
+            args += ["--enforce-eager", "--drain-timeout-s", "5", "--replica-id", "demo-teacher"]
+            teacher = LocalReplica(
+                args,
+                env={"OMP_NUM_THREADS": str(threads)},
+                log=self.log_dir / "teacher.log",
+                name="teacher",
+                own_session=True,
+            )
+            self.teachers.append(teacher.start())
         return self
 
+    def _teacher_stage(self):
+        """One `maskroll teacher` process: every rollout's teacher scores and reward (--distill)."""
+        import subprocess
+
+        cmd = [sys.executable, "-m", "maskroll.app.cli", "teacher", "--redis-url", self.url]
+        cmd += ["--namespace", self.cfg.namespace, "--teacher", self.teachers[0].address]
+        cmd += ["--teacher-k", str(self.cfg.grpo.logprobs_k), "--tokenizer", str(self.model)]
+        # the task's reward too (one stage does both): the trainer reads scored records, and reports the
+        # reward even when it trains on the distillation term alone
+        cmd += ["--reward", "maskroll.recipes.digits:digit_reward_fn"]
+        cmd += ["--worker-id", "demo-teacher-stage", "--log-every-s", "0"]
+        with open(self.log_dir / "teacher-stage.log", "wb") as log:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _rewarder(self, i: int):
+        """One `maskroll reward` process scoring the demo's task (recipes.digits.digit_reward_fn)."""
+        import subprocess
+
+        cmd = [sys.executable, "-m", "maskroll.app.cli", "reward", "--redis-url", self.url]
+        cmd += ["--namespace", self.cfg.namespace, "--reward", "maskroll.recipes.digits:digit_reward_fn"]
+        cmd += ["--tokenizer", str(self.model), "--worker-id", f"demo-reward-{i}", "--log-every-s", "0"]
+        with open(self.log_dir / f"reward-{i}.log", "wb") as log:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
     def wait_ready(self, timeout: float = 300.0) -> None:
-        wait_all(self.replicas, timeout)
+        wait_all(self.replicas + self.teachers, timeout)
+        if self.teachers:  # after the replicas: the stage compares the teacher's vocabulary with theirs
+            self.teacher_stage = self._teacher_stage()
 
     def __exit__(self, *exc: object) -> None:
         try:
-            stop_all(self.replicas, timeout=20.0)  # a second Ctrl-C here kills the rest, then re-raises
+            stages = self.rewarders + ([self.teacher_stage] if self.teacher_stage is not None else [])
+            for p in stages:  # only the processes started here, by PID
+                p.send_signal(signal.SIGTERM)
+            for p in stages:
+                try:
+                    p.wait(20)
+                except Exception:
+                    p.kill()
+                    p.wait()
+            # a second Ctrl-C here kills the rest, then re-raises
+            stop_all(self.replicas + self.teachers, timeout=20.0)
         finally:
             if self.redis is not None:
                 self.redis.close()
@@ -168,7 +268,18 @@ def run(cfg: DemoConfig) -> dict:
     out = cfg.out
     out.mkdir(parents=True, exist_ok=True)
     model_dir = cfg.model or out / "model"
-    if cfg.model is None and not (model_dir / "config.json").exists():
+    task = {}
+    if cfg.is_smollm2:  # converted once per venv (app/smollm2.py), then shared by every run
+        from maskroll.recipes import arithmetic
+
+        from . import smollm2
+
+        try:
+            model_dir = smollm2.cached("float32")
+        except smollm2.SmolLM2Missing as exc:  # the install hint, not a traceback
+            raise SystemExit(f"maskroll demo --model smollm2: {exc}") from None
+        task = {"task": arithmetic.QueueTask(model_dir)}
+    elif cfg.model is None and not (model_dir / "config.json").exists():
         init_model(model_dir, seed=cfg.grpo.seed)
     weights = (cfg.weights_dir or out / "weights").resolve()
     if cfg.spawn and weights.exists():
@@ -178,19 +289,36 @@ def run(cfg: DemoConfig) -> dict:
     t_start = time.monotonic()
     g, mask = cfg.grpo, cfg.grpo.mask
     print(
-        f"maskroll demo: {cfg.replicas} replicas (engine {cfg.engine}), trainer {cfg.trainer}, method "
+        f"maskroll demo: {cfg.replicas} replicas (engine {cfg.engine}), trainer {cfg.trainer}"
+        + (f", {cfg.reward_workers} reward workers" if cfg.reward_workers else "")
+        + ", method "
         f"{mask.method} + {mask.divergence} + {mask.estimator}, {g.steps} steps of {g.batch_size} "
         f"rollouts -> {out}/",
         flush=True,
     )
     with Cluster(cfg, model_dir.resolve(), weights, out / "logs") as cluster:
-        cluster.wait_ready()
+        # vLLM CPU loads SmolLM2 in 1-2 min on an idle machine; on a loaded one it has taken 5
+        cluster.wait_ready(900.0 if cfg.is_smollm2 else 300.0)
         print(f"  replicas ready after {time.monotonic() - t_start:.0f} s", flush=True)
-        train = partial(grpo.train, weight_transport=cfg.weight_transport)
+        stage = {"reward_stage": True} if cfg.reward_workers or cfg.distill else {}
+        distill = {}
+        if cfg.distill is not None:  # pure distillation (weight 1, no RL term) unless --distill-weight
+            w = cfg.distill_weight
+            distill = {"distill_weight": 1.0 if w is None else w, "distill_rl": w is not None}
+        train = partial(
+            grpo.train,
+            weight_transport=cfg.weight_transport,
+            final_dir=out / "final",
+            **stage,
+            **task,
+            **distill,
+        )
         if cfg.trainer == "trl":
             from maskroll.recipes import trl_grpo
 
-            train = partial(trl_grpo.train, out_dir=out / "trl", weight_transport=cfg.weight_transport)
+            train = partial(
+                trl_grpo.train, out_dir=out / "trl", weight_transport=cfg.weight_transport, **stage
+            )
         result = train(
             cfg.grpo,
             redis_url=cluster.url,
@@ -202,8 +330,21 @@ def run(cfg: DemoConfig) -> dict:
     summary = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
         **result,
+        "reward_workers": cfg.reward_workers,
         "seconds": time.monotonic() - t_start,
     }
+    if cfg.trainer == "maskroll":
+        summary["final"] = str(out / "final")
+    if cfg.distill is not None:  # first / last training step: the KL to the teacher and the batch reward
+        steps = result["steps"]
+        summary["distill"] = {
+            "teacher": str(cfg.distill),
+            "weight": cfg.distill_weight,
+            "kl_first": steps[0]["distill_kl"],
+            "kl_last": steps[-1]["distill_kl"],
+            "reward_first": steps[0]["reward"],
+            "reward_last": steps[-1]["reward"],
+        }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -280,7 +421,12 @@ def parse(argv: list[str]) -> tuple[DemoConfig, bool]:
     """The demo's config from its flags (one per field in FLAGS and CLUSTER_FLAGS, help from the fields'
     docs), and whether to --compare; an invalid value exits 2 with the config's message."""
     p = argparse.ArgumentParser(prog="maskroll demo", description=__doc__.split("\n\n")[0])
-    add_flags(p, DemoConfig(), FLAGS)
+    smol = any(
+        a == "--model=smollm2" or (a == "smollm2" and i and argv[i - 1] == "--model")
+        for i, a in enumerate(argv)
+    )
+    default = DemoConfig(grpo=SMOLLM2_DEFAULTS) if smol else DemoConfig()
+    add_flags(p, default, FLAGS)
     p.add_argument("--compare", action="store_true", help="run ppo, dppo and predictive with the same seed")
     add_flags(p, DemoConfig(), CLUSTER_FLAGS)
     a = p.parse_args(argv)

@@ -108,3 +108,24 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
         elif is_dataclass(hints[f.name]) and any(p.startswith(path + ".") for p in values):
             kw[f.name] = _build(hints[f.name], values, path + ".")
     return cls(**kw)
+
+
+def parse_stage_config(cls: type, prog: str, description: str, paths: Sequence[str], argv: list[str]) -> Any:
+    """A stage's config (`maskroll reward`, `maskroll teacher`) from its flags. --help shows every flag
+    with its default although some have none (the config's required fields, $MASKROLL_REDIS_URL unset):
+    the defaults come from an unvalidated instance; the config built from the parsed flags is validated,
+    and an invalid value exits 2 with its message."""
+    import dataclasses
+
+    defaults = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        object.__setattr__(defaults, f.name, value)
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    add_flags(p, defaults, paths)
+    a = p.parse_args(argv)
+    try:
+        return from_flags(cls, a, paths)
+    except ValueError as e:
+        p.error(str(e))
+        raise  # p.error exits

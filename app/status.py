@@ -18,6 +18,7 @@ from maskroll.client.status import (
     list_dead_letters,
     namespace_keys,
     namespace_status,
+    requeue_dead_letters,
 )
 from maskroll.proto.redis_conn import QueueUnavailable, open_redis, redact
 from maskroll.proto.run_record import ago
@@ -44,7 +45,9 @@ def format_status(st: dict) -> str:
         lines.append(
             f"  {rep['replica_id']}  {rep['address']}  engine {rep['engine'] or '?'}"
             f"  model {rep['model'] or '?'}"
-            f"  v{rep['policy_version']}  active jobs {rep['active_jobs']}"
+            f"  v{rep['policy_version']} of run {rep.get('run_id') or '-'}"
+            + (f"  active jobs {rep['active_jobs']}" if rep.get("pulls", True) else "  no --pull")
+            + f"  in flight {rep.get('in_flight', 0)}  {rep.get('tokens_per_s', 0.0):.1f} tok/s"
             + (f"  heartbeat expires in {expires:.1f} s" if expires is not None else "")
         )
     if not reps and "namespaces_with_replicas" in st:
@@ -54,6 +57,18 @@ def format_status(st: dict) -> str:
     lines.append(
         f"rollouts: {r['length']} unconsumed ({r['waiting']} waiting, {r['pending']} delivered, not acked)"
     )
+    f, workers = st.get("finished"), st.get("reward_workers", [])
+    if workers or (f and f["length"]):
+        lines.append(
+            f"reward stage: {len(workers)} live workers; {f['length']} records to score "
+            f"({f['pending']} being scored)"
+        )
+        for w in workers:
+            lines.append(
+                f"  {w.get('worker_id')}  {w.get('reward')}  scored {w.get('scored', 0)}  failed "
+                f"{w.get('failed', 0)}  duplicates {w.get('duplicates', 0)}  scoring {w.get('active', 0)}"
+                + (f"  hung {w['hung']}" if w.get("hung") else "")
+            )
     if st["partitions"] > 1:
         for part in st["by_partition"]:
             pp, rr = part["prompts"], part["rollouts"]
@@ -116,18 +131,31 @@ def main(argv: list[str] | None = None) -> int:
 def dead_letters_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="maskroll dead-letters",
-        description="List a namespace's newest dead letters (id, reason, age); --drop deletes those listed.",
+        description="List a namespace's newest dead letters (id, reason, age); --drop deletes those listed, "
+        "--requeue puts them back on the stream they came from.",
     )
     _common(p)
     p.add_argument("--limit", type=int, default=50, help="how many, newest first (default 50)")
-    p.add_argument("--drop", action="store_true", help="delete the dead letters listed")
+    act = p.add_mutually_exclusive_group()
+    act.add_argument("--drop", action="store_true", help="delete the dead letters listed")
+    act.add_argument(
+        "--requeue",
+        action="store_true",
+        help="put the dead letters listed back on their stream (a prompt job, a record); a record refused "
+        "for what it is (another run) is refused again",
+    )
+    p.add_argument("--reason", default="", help="only the dead letters whose reason contains this text")
     args = p.parse_args(argv)
     if args.limit < 1:
         p.error("--limit must be >= 1")
+    requeued: dict[str, str] = {}
 
     async def work(r, keys):
         letters = await list_dead_letters(r, keys, args.limit)
+        letters = [d for d in letters if args.reason in d["reason"]]
         dropped = await drop_dead_letters(r, keys, letters) if args.drop else 0
+        if args.requeue:
+            requeued.update(await requeue_dead_letters(r, keys, letters))
         return letters, dropped
 
     try:
@@ -136,9 +164,14 @@ def dead_letters_main(argv: list[str] | None = None) -> int:
         print(f"maskroll dead-letters: {redact(str(e))}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"dead_letters": letters, "dropped": dropped}))
+        print(json.dumps({"dead_letters": letters, "dropped": dropped, "requeued": requeued}))
         return 0
     for d in letters:
-        print(f"{d['id']}  {_ago(d['age_s']):>7} ago  {d['stream']} {d['entry']}  {d['reason']}")
-    print(f"{len(letters)} dead letters" + (f", {dropped} dropped" if args.drop else ""))
+        done = f"  [{requeued[d['id']]}]" if d["id"] in requeued else ""
+        print(f"{d['id']}  {_ago(d['age_s']):>7} ago  {d['stream']} {d['entry']}  {d['reason']}{done}")
+    print(
+        f"{len(letters)} dead letters"
+        + (f", {dropped} dropped" if args.drop else "")
+        + (f", {sum(v == 'requeued' for v in requeued.values())} requeued" if args.requeue else "")
+    )
     return 0

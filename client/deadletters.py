@@ -61,6 +61,7 @@ class DeadLetters:
     def __init__(self, state: QueueState, handles: Handles) -> None:
         self.state, self.handles = state, handles
         self.refused: Counter[str] = Counter()
+        self.last_reason: dict[str, str] = {}  # per kind, the latest refusal's reason (for timeouts)
         self._reported: Counter[str] = Counter()  # what report() has logged of it
 
     def streams(self) -> str:
@@ -95,6 +96,7 @@ class DeadLetters:
         if kind is not None:
             setattr(s.stats, kind, getattr(s.stats, kind) + 1)
             self.refused[kind] += 1
+            self.last_reason[kind] = reason
 
     def report(self) -> None:
         """One warning per read for the records refused in it (a new run may refuse thousands)."""

@@ -76,7 +76,10 @@ class AsyncRolloutQueue:
     namespace's partition count (StreamKeys; the replicas must be started with the same
     `--partitions`, which Redis records and checks): jobs are spread over the partitions in turn and
     every partition is read in turn. A `redis://` URL of any node of a Redis Cluster works: cluster mode
-    is detected when the queue opens (docs/scaling.md "Redis Cluster").
+    is detected when the queue opens (docs/scaling.md "Redis Cluster"). reward_stage: the run is scored
+    by a reward stage (`maskroll reward`, `maskroll serve --reward`; docs/rewards.md): jobs send their
+    records through it (each partition's finished stream), every record read carries its reward, and a
+    record without one is refused.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class AsyncRolloutQueue:
         root_certs: bytes | None = None,
         retries: int = 10,
         partitions: int = 1,
+        reward_stage: bool = False,
     ) -> None:
         self._state = QueueState(
             url,
@@ -111,6 +115,7 @@ class AsyncRolloutQueue:
             root_certs=root_certs,
             retries=retries,
         )
+        self._state.reward_stage = reward_stage
         self._lifecycle = RunLifecycle(self._state, run)
         self._reader = Reader(
             self._state,

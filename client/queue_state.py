@@ -94,6 +94,7 @@ class QueueState:
         self.run: RunInfo | None = None  # the run, once taken up; run.version is the policy version
         self.flight = InFlight()
         self.job_entries: dict[str, tuple[int, bytes]] = {}  # job_id -> (partition, prompt entry)
+        self.reward_stage = False  # records go through the reward stage (AsyncRolloutQueue's docstring)
 
     async def connect(self) -> None:
         """Connect once, detecting a Redis Cluster (its keys then carry hash tags even with one partition)."""

@@ -24,6 +24,7 @@ from maskroll.proto.streams import (
     F_JOB_ERROR,
     F_REASON,
     F_RECORD,
+    F_REWARD_FAILED,
     TRAINER_GROUP,
     PartitionKeys,
     ack_and_delete,
@@ -156,8 +157,10 @@ class Reader:
                 + replicas_elsewhere(ns, await s.call(namespaces_with_replicas(s.r)))
             )
         else:
+            pulling = sum(rep.pulls for rep in reps)
             parts.append(
                 f"{len(reps)} live replicas at policy versions {sorted({r.policy_version for r in reps})}"
+                + ("" if pulling == len(reps) else f", {pulling} of them pulling prompt jobs")
             )
         if refused:
             what = {
@@ -165,10 +168,12 @@ class Reader:
                 "foreign_run": "of another run or none",
                 "future_version": f"from policy versions ahead of this trainer's {s.policy_version}",
             }
+            reasons = self.dead.last_reason
+            latest = "; ".join(repr(reasons[k]) for k in sorted(refused) if k in reasons)
             parts.append(
                 "dead-lettered meanwhile: "
                 + ", ".join(f"{n} {what[k]}" for k, n in sorted(refused.items()))
-                + f" (reasons in {self.dead.streams()})"
+                + f" (reasons in {self.dead.streams()}; the latest: {latest})"
             )
             if refused.get("future_version"):
                 parts.append(
@@ -252,6 +257,8 @@ class Reader:
                     fresh.append((entry_id, rec))
             elif F_JOB_ERROR in fields:
                 await self._job_failed(entry_id, fields)
+            elif F_REWARD_FAILED in fields:
+                await self._reward_failed(entry_id, fields)
             else:
                 await self.dead.letter(entry_id, fields, f"unknown fields {sorted(fields)}", "invalid")
         self.dead.report()
@@ -289,6 +296,8 @@ class Reader:
             return None
         run_id = s.require_run().run_id
         why = refusal(rec, run_id=run_id, policy_version=s.policy_version)
+        if why is None and s.reward_stage and rec.reward is None:
+            why = ("invalid", "the record carries no reward, and this run is scored by a reward stage")
         if why is None:
             return rec
         kind, reason = why
@@ -299,14 +308,34 @@ class Reader:
                 raise self.superseded(current)  # the entry stays pending for the new run's trainer
             self._old_runs.add(rec.run_id)
         await self.dead.letter(entry_id, fields, reason, kind)
+        await self._close_group(rec, reason)
+        return None
+
+    async def _close_group(self, rec: RolloutRecord, reason: str) -> None:
+        """`rec` was set aside: free its room, and the rest of its group, which can never be whole, now."""
+        s = self.state
         await s.consumed(rec.job_id, 1)
-        if rec.group_size > 1:  # the rest of its group can never be whole: set it aside now, not at expiry
+        if rec.group_size > 1:  # set the rest aside now, not at expiry
             key = group_key(rec)
             for other_id, other in self._batcher.close(key):
                 why = f"another sample of group {key} was refused: {reason}"
                 await self.dead.letter(other_id, {F_RECORD: wire.encode_record(other)}, why, None, warn=False)
                 await s.consumed(other.job_id, 1)
-        return None
+
+    async def _reward_failed(self, entry_id: bytes, fields: dict) -> None:
+        """The reward stage dead-lettered a record (the notice carries it and the reason): close its group."""
+        try:
+            rec = wire.decode_record(fields[F_REWARD_FAILED])
+        except wire.WireError:
+            await self.dead.letter(entry_id, fields, "undecodable reward_failed notice", "invalid")
+            return
+        reason = fields.get(F_REASON, b"").decode(errors="replace")
+        log.warning("the reward stage dead-lettered %s: %s", rec.rollout_id, reason)
+        self.state.stats.dead_lettered += 1  # counted as a refusal; the stage wrote the dead letter
+        self.state.stats.invalid += 1
+        self.dead.refused["invalid"] += 1
+        await self._finish([entry_id])
+        await self._close_group(rec, f"the reward stage refused it ({reason})")
 
     async def _expire_groups(self) -> None:
         """Dead-letter the groups still incomplete group_timeout_s after their first record arrived."""

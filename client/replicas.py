@@ -12,7 +12,7 @@ weight_sync. Needs no grpc; knows nothing of jobs, records or batches.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
@@ -38,7 +38,7 @@ class BroadcastError(RuntimeError):
 
     def __init__(self, version: int, results: dict[str, str], namespace: str = "") -> None:
         self.version, self.results = version, dict(results)
-        self.failed = {r: e for r, e in results.items() if e not in ("ok", "unchanged")}
+        self.failed = {r: e for r, e in results.items() if e not in ("ok", "unchanged", "adopted")}
         where = f" in namespace {namespace!r}" if namespace else ""
         if results:
             detail = "; ".join(f"{r}: {e}" for r, e in sorted(self.failed.items()))
@@ -53,10 +53,13 @@ class BroadcastError(RuntimeError):
 
 @dataclass(frozen=True)
 class ReplicaWeights:
-    """What a replica serves: the run of its weights ("" = none yet: its starting weights) and version."""
+    """What a replica serves: the run of its weights ("" = none yet: its starting weights) and version;
+    on its starting weights, their fingerprint (proto/fingerprint.py; "" when unknown). Compared by run
+    and version only."""
 
     run_id: str
     version: int
+    fingerprint: str = field(default="", compare=False)
 
 
 async def live_replicas(r: aioredis.Redis, keys: StreamKeys) -> list[ReplicaInfo]:

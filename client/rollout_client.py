@@ -30,6 +30,7 @@ from maskroll.proto.records import (
     ServerInfo,
     WeightsUpdateResult,
 )
+from maskroll.proto.scoring import ScoreJob, ScoreOptions, ScoreResult
 
 from ._sync import signature_of, sync_facade
 
@@ -251,6 +252,30 @@ class RolloutClient:
         kw = dict(request_id=request_id, job_id=job_id, group_id=group_id, metadata=metadata, timeout=timeout)
         return (await self.generate_records(prompt_ids, options, **kw))[0]
 
+    # ---- scoring --------------------------------------------------------------------------------
+
+    async def score(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        completions: Sequence[Sequence[int] | np.ndarray],
+        options: ScoreOptions | None = None,
+        *,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> ScoreResult:
+        """Score `completions` of `prompt_ids` without sampling: per completion token the given token's
+        log μ and rank and the top-K of μ, the processed distribution at `options`' temperature /
+        top_k / top_p (a record's μ for the same options; docs/records.md "Scoring")."""
+        options = options or ScoreOptions()
+        job = ScoreJob(
+            _prompt_array(prompt_ids), tuple(_prompt_array(c) for c in completions), options, request_id
+        )
+        problems = options.problems()
+        if problems:  # the server's words, without the round trip
+            raise RolloutError(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
+        request = wire.score_request(job)
+        return wire.score_result_from_pb(await self._unary(self._rollout().Score, request, timeout))
+
     # ---- weights and info -----------------------------------------------------------------------
 
     async def update_weights(
@@ -266,6 +291,15 @@ class RolloutClient:
         current version within the same run; any version when the replica serves another run (it reloads).
         Without a run id, the version must be greater."""
         request = wire.update_request(version, os.fspath(checkpoint_dir), run_id)
+        return wire.update_result_from_pb(await self._unary(self._rollout().UpdateWeights, request, timeout))
+
+    async def adopt_weights(
+        self, fingerprint: str, *, run_id: str, timeout: float | None = None
+    ) -> WeightsUpdateResult:
+        """Make the replica's starting weights version 0 of run `run_id`, no bytes sent: taken only when
+        their fingerprint (`info().weights_fingerprint`) is `fingerprint`, the trainer's model's; else
+        FAILED_PRECONDITION (then push the model)."""
+        request = wire.adopt_request(0, fingerprint, run_id)
         return wire.update_result_from_pb(await self._unary(self._rollout().UpdateWeights, request, timeout))
 
     async def info(self, *, timeout: float | None = None) -> ServerInfo:
@@ -284,7 +318,7 @@ class RolloutClient:
 
 @sync_facade(
     RolloutClient,
-    methods=["generate_records", "generate_record", "update_weights", "info", "health"],
+    methods=["generate_records", "generate_record", "score", "update_weights", "info", "health"],
     init_doc="See RolloutClient for what each argument means.",
     thread_name="maskroll-rollout-client",
 )

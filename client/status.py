@@ -1,8 +1,8 @@
 """What a namespace looks like in Redis right now, for people (`maskroll status`, `maskroll dead-letters`).
 
-Read-only, except `drop_dead_letters`. Everything is gathered with bounded reads: XLEN and XINFO GROUPS
-per partition, the newest `window` dead letters per partition, one SCAN of the heartbeat keys. The
-result is plain data (JSON-ready dicts and lists); printing is `maskroll.app.status`'s.
+Read-only, except `drop_dead_letters` and `requeue_dead_letters`. Everything is gathered with bounded
+reads: XLEN and XINFO GROUPS per partition, the newest `window` dead letters per partition, one SCAN of
+the heartbeat keys. The result is plain data (JSON-ready dicts and lists); `maskroll.app.status` prints it.
 
 A stream's backlog: consumed entries are acked *and deleted* (`streams.ack_and_delete`), so XLEN counts
 the entries not yet consumed, of which the group's `pending` were delivered and not acked yet, and the
@@ -11,6 +11,7 @@ rest (`waiting`) were delivered to no consumer.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections import Counter
@@ -18,12 +19,27 @@ from collections import Counter
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from maskroll.proto.redis_conn import transaction
 from maskroll.proto.run_record import read_run
-from maskroll.proto.streams import REPLICA_GROUP, TRAINER_GROUP, PartitionKeys, StreamKeys
+from maskroll.proto.streams import (
+    F_JOB,
+    F_RECORD,
+    REPLICA_GROUP,
+    REWARD_GROUP,
+    TRAINER_GROUP,
+    PartitionKeys,
+    StreamKeys,
+)
 
 from .replicas import live_replicas, namespaces_with_replicas
 
-__all__ = ["drop_dead_letters", "list_dead_letters", "namespace_keys", "namespace_status"]
+__all__ = [
+    "drop_dead_letters",
+    "list_dead_letters",
+    "namespace_keys",
+    "namespace_status",
+    "requeue_dead_letters",
+]
 
 DEAD_LETTER_WINDOW = 1000  # dead letters read per partition for the counts by reason
 
@@ -86,6 +102,10 @@ async def namespace_status(r: aioredis.Redis, keys: StreamKeys, *, window: int =
                 "model": rep.model,
                 "policy_version": rep.policy_version,
                 "active_jobs": rep.active_jobs,
+                "run_id": rep.extra.get("run_id", ""),
+                "pulls": rep.pulls,
+                "in_flight": int(rep.extra.get("in_flight", 0)),
+                "tokens_per_s": float(rep.extra.get("tokens_per_s", 0.0)),
                 "heartbeat_expires_in_s": round(ttl_ms / 1000, 1) if ttl_ms and ttl_ms > 0 else None,
             }
         )
@@ -101,6 +121,7 @@ async def namespace_status(r: aioredis.Redis, keys: StreamKeys, *, window: int =
                 "index": part.index,
                 "prompts": await _stream(r, part.prompts, REPLICA_GROUP),
                 "rollouts": await _stream(r, part.rollouts, TRAINER_GROUP),
+                "finished": await _stream(r, part.finished, REWARD_GROUP),  # the reward stage's input
                 "dead_letters": dead_len,
             }
         )
@@ -115,6 +136,8 @@ async def namespace_status(r: aioredis.Redis, keys: StreamKeys, *, window: int =
         "replicas": replicas,
         "prompts": total("prompts"),
         "rollouts": total("rollouts"),
+        "finished": total("finished"),
+        "reward_workers": await reward_workers(r, keys),
         "by_partition": partitions,
         "dead_letters": {
             "total": dead_total,
@@ -135,6 +158,16 @@ async def namespace_status(r: aioredis.Redis, keys: StreamKeys, *, window: int =
     if not replicas:
         out["namespaces_with_replicas"] = await namespaces_with_replicas(r)
     return out
+
+
+async def reward_workers(r: aioredis.Redis, keys: StreamKeys) -> list[dict]:
+    """The reward stage's live workers (maskroll.stages: their heartbeat JSON, counters included)."""
+    out = []
+    async for key in r.scan_iter(match=keys.rewarder_pattern, count=100):
+        raw = await r.get(key)
+        if raw is not None:  # None: expired between SCAN and GET
+            out.append(json.loads(raw))
+    return sorted(out, key=lambda w: w.get("worker_id", ""))
 
 
 def _handle(keys: StreamKeys, part: PartitionKeys, entry_id: str) -> str:
@@ -173,3 +206,32 @@ async def drop_dead_letters(r: aioredis.Redis, keys: StreamKeys, letters: list[d
     for index, ids in by_part.items():
         dropped += int(await r.xdel(keys.part(index).dead_letters, *ids))
     return dropped
+
+
+async def requeue_dead_letters(r: aioredis.Redis, keys: StreamKeys, letters: list[dict]) -> dict[str, str]:
+    """Put the dead letters listed (as `list_dead_letters` returns them) back on the stream they came
+    from — a prompt job for the replicas, a record for the trainer or the reward stage — as a new entry,
+    deleting each letter in the same transaction. {id: "requeued" | why not}: a letter of a stream that is
+    not its partition's prompt, finished or rollout stream, or whose payload is gone, stays.
+    A record refused for what it is (another run, a version ahead) is refused again: requeue what failed
+    for a passing reason (a replica's engine died, a reward function timed out)."""
+    out = {}
+    for d in letters:
+        part = keys.part(int(d["partition"]))
+        letter_id = d["id"].rpartition("/")[2]
+        # a record the reward stage could not score goes back to its finished stream, to be scored again
+        field = {part.prompts: F_JOB, part.rollouts: F_RECORD, part.finished: F_RECORD}.get(d["stream"])
+        if field is None:
+            out[d["id"]] = f"not requeued: {d['stream']!r} is not a stream of this namespace"
+            continue
+        got = await r.xrange(part.dead_letters, letter_id, letter_id)
+        payload = got[0][1].get(b"payload", b"") if got else b""
+        if not payload:
+            out[d["id"]] = "not requeued: the letter (or its payload) is gone"
+            continue
+        pipe = transaction(r)
+        pipe.xadd(d["stream"], {field: payload})
+        pipe.xdel(part.dead_letters, letter_id)
+        await pipe.execute()
+        out[d["id"]] = "requeued"
+    return out

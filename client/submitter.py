@@ -64,6 +64,9 @@ class Submitter:
             )
         await s.flight.wait_for_room(options.n, limit, timeout)
         await self._opened()
+        part = self._turn
+        if s.reward_stage and not rollout_stream:  # the stage publishes them, scored, where we read
+            rollout_stream = s.keys.part(part).finished
         job = PromptJob(
             job_id=job_id or uuid.uuid4().hex,
             prompt_ids=prompt,
@@ -74,7 +77,6 @@ class Submitter:
             rollout_stream=rollout_stream,
             run_id=s.require_run().run_id,
         )
-        part = self._turn
         self._turn = (part + 1) % s.keys.partitions
         entry = await s.call(
             s.r.xadd(s.keys.part(part).prompts, {F_JOB: wire.job_to_pb(job).SerializeToString()})

@@ -25,7 +25,7 @@ the trajectory has three model turns with a tool result between them.
     python examples/agent_calculator.py --steps 3 --group-size 4
     python examples/agent_calculator.py --base-url http://replica:8000/v1 --api-key $TOKEN \\
         --redis-url redis://redis:6379/0 --namespace agents --weights-root /shared/ckpt --model /models/qwen
-        # a running replica: maskroll serve --http-port 8000 --pull --redis-url ... --weights-root ...
+        # a running replica: maskroll serve --http-port 8000 --redis-url ... --weights-root ...
 
 Not a package (examples/ is outside the import boundaries): copy it.
 """
@@ -157,8 +157,8 @@ def train(args: argparse.Namespace, base_url: str, api_key: str) -> None:
     g = args.group_size
     with RolloutQueue(args.redis_url, args.namespace, run="new", batch_size=g, token=api_key) as q:
         publisher = CheckpointPublisher(q, args.weights_root)
+        # version 0 of the run: a replica started from this model adopts it, another one loads it
         publisher.start(policy)
-        publisher.publish(policy, 0)  # the replica serves this run's version 0: its records carry the run
         for step in range(1, args.steps + 1):
             q_text = question(rng)
             group = f"{q.run_id[:8]}-step{step}"
@@ -213,7 +213,7 @@ def local_replica(tmp: Path, args: argparse.Namespace) -> Iterator[tuple[str, st
         args.redis_url = redis.url
         env = {"MASKROLL_AUTH_TOKEN": api_key, "MASKROLL_REDIS_URL": redis.url, "OMP_NUM_THREADS": "1"}
         serve = ["--model", args.model, "--engine", "torch", "--port", "0", "--http-port", "0"]
-        serve += ["--namespace", args.namespace, "--pull", "--weights-root", args.weights_root]
+        serve += ["--namespace", args.namespace, "--weights-root", args.weights_root]
         serve += ["--threads", "1", "--drain-timeout-s", "2"]
         with LocalReplica(serve, env=env, log=tmp / "replica.log", ready_timeout=180) as replica:
             yield replica.http_url + "/v1", api_key

@@ -23,7 +23,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -154,6 +154,7 @@ class QueueSource(_Source):
         root_certs: bytes | None = None,
         run: RunMode | None = None,
         partitions: int = 1,
+        reward_stage: bool = False,
     ) -> None:
         super().__init__(batch_size=batch_size, max_staleness=max_staleness, options=options, timeout=timeout)
         # stale_policy "keep": the staleness rule is applied here, per group, so a stale group's prompt
@@ -169,6 +170,7 @@ class QueueSource(_Source):
             token=token,
             tls=root_certs is not None,
             root_certs=root_certs,
+            reward_stage=reward_stage,
         )
         self.broadcaster = self.queue  # CheckpointPublisher: UpdateWeights on every live replica
         self.namespace = namespace
@@ -200,7 +202,14 @@ class QueueSource(_Source):
         return self.queue.room() or 0
 
     def submit(self, job: Job) -> None:
-        self.queue.submit(job.prompt_ids, self._options(job), job_id=job.job_id, group_id=job.job_id)
+        # the row's scalar columns (a reference answer, tests) reach a reward stage as the job's metadata
+        # (rows are the framework's own: only a mapping, e.g. a TRL dataset row, has columns to send)
+        row = job.rows[0] if job.rows else None
+        scalars = row.items() if isinstance(row, Mapping) else ()
+        meta = {k: str(v) for k, v in scalars if k != "prompt" and isinstance(v, (str, int, float))}
+        self.queue.submit(
+            job.prompt_ids, self._options(job), job_id=job.job_id, group_id=job.job_id, metadata=meta
+        )
         self.jobs[job.job_id] = job
         self.stats.submitted += 1
 

@@ -138,6 +138,7 @@ def maskroll_loss(
         aggregation=aggregation,
         max_len=max_len,
         masks=res,
+        config=mask,  # its rollout correction (MaskConfig.correction, docs/math.md §9)
         ref_logprobs=batch["ref_logprobs"] if beta != 0.0 else None,
         kl_coef=beta,
         kl_is_weight=bias_correction_kl,
@@ -209,6 +210,13 @@ class _AfterStep(TrainerCallback):
 # ---- the trainer ------------------------------------------------------------------------------------
 
 
+def record_reward(completions, maskroll_reward, **_) -> list[float | None]:
+    """The reward the reward stage put in each record (MaskrollConfig.rewards_from_records): a TRL reward
+    function like any other, so TRL's weights, advantages and logs treat it as one. None (a record no
+    stage scored: evaluation samples come straight from a replica) is TRL's "did not apply"."""
+    return list(maskroll_reward)
+
+
 class MaskrollGRPOTrainer(GRPOTrainer):
     """TRL's GRPOTrainer, generating on maskroll replicas and training with maskroll's masks.
 
@@ -247,6 +255,9 @@ class MaskrollGRPOTrainer(GRPOTrainer):
         if problems:
             raise UnsupportedOption("MaskrollGRPOTrainer does not support: " + "; ".join(problems))
         self.maskroll = maskroll
+        if maskroll.rewards_from_records:  # the stage's reward, as one more TRL reward function
+            given = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+            reward_funcs = [*(f for f in given if f is not None), record_reward]
         super().__init__(
             model,
             reward_funcs=reward_funcs,
@@ -317,7 +328,12 @@ class MaskrollGRPOTrainer(GRPOTrainer):
                 # Reopened (evaluate after train, a second train): the run this trainer took up.
                 run = "resume" if self._run_taken else cfg.run
                 source = QueueSource(
-                    cfg.redis_url, cfg.namespace, run=run, partitions=cfg.partitions, **common
+                    cfg.redis_url,
+                    cfg.namespace,
+                    run=run,
+                    partitions=cfg.partitions,
+                    reward_stage=cfg.rewards_from_records,
+                    **common,
                 )
                 self._run_taken = True
                 source.wait_for_replicas(cfg.min_replicas)
@@ -415,6 +431,8 @@ class MaskrollGRPOTrainer(GRPOTrainer):
     def _score(self, records: list, rows: list[dict], mode: str) -> dict[str, Tensor]:
         """Rewards (TRL's reward functions), TRL's advantages, and the records collated for the loss."""
         prompts = [row["prompt"] for row in rows]
+        if self.maskroll.rewards_from_records:  # record_reward's argument (None: not scored, e.g. eval)
+            rows = [{**row, "maskroll_reward": r.reward} for row, r in zip(rows, records, strict=True)]
         completion_ids = [[int(t) for t in r.completion_ids] for r in records]
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
         if is_conversational({"prompt": prompts[0]}):

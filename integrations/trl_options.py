@@ -59,6 +59,11 @@ class MaskrollConfig:
     token / root_certs: the replicas' bearer token and TLS roots (PEM).
     direction_diagnostics: after each optimiser step, score each rule's predicted direction of D
         against the realised change on the last micro-batch (`maskroll/agree_*`; one more forward).
+    rewards_from_records: leave scoring to the reward stage (`maskroll reward`, `maskroll serve --reward`;
+        queue mode): jobs go through it, records arrive scored, and their reward is one more TRL reward
+        function, `record_reward` (last, after any `reward_funcs` given, which keep working as before;
+        `reward_weights` then has one weight per function, record_reward's last). The dataset's scalar
+        columns travel to the stage as the job's metadata (e.g. the reference answer).
     resume_from_base: with run="resume" and the stream transport, when `weights_root` holds no copy of
         the run's current version N: publish the model as a new version N + 1 instead of refusing
         (the default refuses: the model is not version N, and calling it so would be a silent mismatch).
@@ -82,6 +87,7 @@ class MaskrollConfig:
     root_certs: bytes | None = None
     direction_diagnostics: bool = False
     resume_from_base: bool = False
+    rewards_from_records: bool = False
 
     def __post_init__(self) -> None:
         if self.redis_url is None and not self.replicas:
@@ -98,6 +104,11 @@ class MaskrollConfig:
             raise ValueError(
                 "MaskrollConfig.weight_transport='stream' needs redis_url: the push goes to the replicas of "
                 "the queue's registry; with direct gRPC addresses use weight_transport='directory'"
+            )
+        if self.rewards_from_records and self.redis_url is None:
+            raise ValueError(
+                "MaskrollConfig.rewards_from_records=True needs redis_url: the reward stage reads the "
+                "queue's finished records"
             )
         if self.weight_transport == "directory" and self.weights_root is None:
             raise ValueError(

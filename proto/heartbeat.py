@@ -24,6 +24,11 @@ class ReplicaInfo:
     active_jobs: int = 0
     extra: dict = field(default_factory=dict)
 
+    @property
+    def pulls(self) -> bool:
+        """Takes prompt jobs (a heartbeat without the field is from a puller: only pullers wrote one)."""
+        return bool(self.extra.get("pull", True))
+
 
 def encode_heartbeat(
     replica_id: str,
@@ -33,7 +38,15 @@ def encode_heartbeat(
     model: str = "",
     policy_version: int = 0,
     active_jobs: int = 0,
+    pull: bool = True,
+    run_id: str = "",
+    in_flight: int = 0,
+    tokens_per_s: float = 0.0,
 ) -> str:
+    """pull: the replica takes prompt jobs; False: it only publishes what its front ends produce (HTTP
+    sessions, Generate with a rollout stream) and is registered so that trainers push it weights.
+    run_id: the run of the weights it serves; in_flight: generations running; tokens_per_s: since the
+    previous heartbeat (for `maskroll status`)."""
     return json.dumps(
         {
             "replica_id": replica_id,
@@ -42,6 +55,10 @@ def encode_heartbeat(
             "model": model,
             "policy_version": int(policy_version),
             "active_jobs": int(active_jobs),
+            "pull": bool(pull),
+            "run_id": run_id,
+            "in_flight": int(in_flight),
+            "tokens_per_s": round(float(tokens_per_s), 1),
         }
     )
 

@@ -7,6 +7,7 @@ Array dtypes are fixed: ids int32, logprobs float32, so records are the same byt
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,6 +153,24 @@ class RolloutRecord:
     loss_mask: np.ndarray | None = None
     segment_starts: list[int] = field(default_factory=list)
     num_turns: int = 0
+    # The reward, set by the reward stage (docs/rewards.md "The reward stage"); None: not scored.
+    # reward_verifier: which verifier or function scored it; reward_reason: why this value.
+    reward: float | None = None
+    reward_verifier: str = ""
+    reward_reason: str = ""
+    # The teacher's scores, set by the teacher stage (docs/records.md "Teacher fields"); None: no teacher
+    # scored it. At the record's positions (multi-turn: zero where loss_mask is False); teacher_semantics
+    # says which μ_teacher they describe (its model, temperature / top-k / top-p, K_teacher).
+    teacher_topk_ids: np.ndarray | None = None  # int32 [T, K_teacher], sorted by rank
+    teacher_topk_logprobs: np.ndarray | None = None  # float32 [T, K_teacher]
+    teacher_sampled_logprobs: np.ndarray | None = None  # float32 [T] log μ_teacher(completion token)
+    teacher_semantics: Semantics | None = None
+    teacher_policy_version: int = 0
+
+    @property
+    def has_teacher(self) -> bool:
+        """Whether a teacher scored this record (its teacher arrays and semantics are set)."""
+        return self.teacher_semantics is not None
 
     @property
     def num_tokens(self) -> int:
@@ -209,6 +228,9 @@ class RolloutRecord:
             self.num_tokens,
         ):
             out.append("sampled_logprobs / sampled_ranks do not have one entry per completion token")
+        if self.reward is not None and not math.isfinite(self.reward):
+            out.append(f"reward {self.reward} is not a finite number")
+        out += self.teacher_problems()
         if out:
             return out  # the array checks below assume consistent shapes
         versions = [
@@ -250,6 +272,37 @@ class RolloutRecord:
                 out.append("topk_logprobs holds a NaN or a positive value")
             if k and self.topk_ids.min() < 0:
                 out.append("topk_ids holds a negative token id")
+        return out
+
+    def teacher_problems(self) -> list[str]:
+        """Why the teacher fields are inconsistent (empty: they are, or absent): all set or none, shapes
+        [T, K_teacher] / [T] at teacher_semantics' K, no NaN or positive logprob (−∞ is allowed: a token
+        the teacher's truncation removed), no negative id."""
+        arrays = (self.teacher_topk_ids, self.teacher_topk_logprobs, self.teacher_sampled_logprobs)
+        if self.teacher_semantics is None:
+            if any(a is not None for a in arrays):
+                return ["teacher arrays are set without teacher_semantics"]
+            return []
+        kt = self.teacher_semantics.logprobs_k
+        t = self.num_tokens
+        if any(a is None for a in arrays):
+            return ["teacher_semantics is set but a teacher array is missing"]
+        if kt < 0 or self.teacher_topk_ids.shape != (t, kt) or self.teacher_topk_logprobs.shape != (t, kt):
+            return [
+                f"teacher top-K arrays have shapes {self.teacher_topk_ids.shape} / "
+                f"{self.teacher_topk_logprobs.shape}, expected ({t}, {kt})"
+            ]
+        if self.teacher_sampled_logprobs.shape != (t,):
+            shape = self.teacher_sampled_logprobs.shape
+            return [f"teacher_sampled_logprobs has shape {shape}, expected ({t},)"]
+        out = []
+        lp = self.teacher_sampled_logprobs  # -inf is allowed: a token the teacher's truncation removed
+        if t and (np.isnan(lp).any() or not lp.max() <= LOGPROB_SLACK):
+            out.append("teacher_sampled_logprobs holds a NaN or a positive value")
+        if t and kt and not self.teacher_topk_logprobs.max() <= LOGPROB_SLACK:
+            out.append("teacher_topk_logprobs holds a NaN or a positive value")
+        if t and kt and self.teacher_topk_ids.min() < 0:
+            out.append("teacher_topk_ids holds a negative token id")
         return out
 
 
@@ -317,6 +370,12 @@ class ServerInfo:
     gpu_memory_utilization: float = 0.0
     kv_cache_tokens: int = 0
     run_id: str = ""  # the run of the weights served (the last UpdateWeights); "" = none yet
+    weights_fingerprint: str = ""  # of the starting weights while they are served; "" after a load
+    # load (the replica's metrics): running now, and counters since start
+    in_flight: int = 0
+    jobs_running: int = 0
+    generated_tokens: int = 0
+    published_records: int = 0
 
 
 @dataclass(frozen=True)
@@ -327,6 +386,8 @@ class WeightsUpdate:
     checkpoint_dir: str | None = None  # set when the source is a checkpoint
     collective: bool = False  # the source is a CollectiveSource
     run_id: str = ""  # the run the version belongs to ("" = a client older than runs)
+    # set when the source is an AdoptSource: the starting weights' fingerprint the trainer expects
+    adopt_fingerprint: str | None = None
 
 
 @dataclass(frozen=True)

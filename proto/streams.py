@@ -9,7 +9,11 @@ One namespace per training run, split into P partitions (default 1: the original
 partition has its own streams, in one Redis Cluster slot (StreamKeys, docs/scaling.md "Redis Cluster").
 Entries carry protobuf bytes (proto/maskroll/v1/rollout.proto):
 prompt stream  {"job": PromptJob}
-rollout stream {"r": RolloutRecord} or {"job_error": PromptJob, "reason": text} when a job cannot run
+rollout stream {"r": RolloutRecord} or {"job_error": PromptJob, "reason": text} when a job cannot run,
+               or {"reward_failed": RolloutRecord, "reason": text}: a record the reward stage
+               dead-lettered, so that the trainer closes its group at once
+finished stream {"r": RolloutRecord} of jobs scored by a reward stage (maskroll.stages), which publishes
+               them, scored, to the rollout stream; job errors pass through unchanged
 dead letters   {"stream", "id", "reason", "payload"} for entries no consumer could decode or use
                 (a capped stream: the newest DEAD_LETTER_MAXLEN are kept for inspection)
 run            a hash: the training run that owns the namespace (client/runs.py, docs/records.md)
@@ -18,6 +22,7 @@ run            a hash: the training run that owns the namespace (client/runs.py,
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -29,6 +34,8 @@ log = logging.getLogger("maskroll.streams")
 
 REPLICA_GROUP = "replicas"  # one consumer group on the prompt stream for all replicas
 TRAINER_GROUP = "trainers"  # one consumer group on the rollout stream for the trainer(s)
+REWARD_GROUP = "rewarders"  # one consumer group on the finished stream for the reward workers
+TEACHER_GROUP = "teachers"  # ... or for the teacher workers (maskroll teacher): a namespace runs one stage
 
 # Dead letters are for inspection, never consumed: cap them (approximately, which is O(1) per XADD) so
 # that a run's worth of refused records cannot fill Redis.
@@ -38,6 +45,7 @@ F_JOB = b"job"
 F_RECORD = b"r"
 F_JOB_ERROR = b"job_error"
 F_REASON = b"reason"
+F_REWARD_FAILED = b"reward_failed"
 
 
 # A namespace may have at most this many partitions (each is a prompt and a rollout stream; a reader
@@ -77,6 +85,18 @@ class PartitionKeys:
         job) is skipped. One ZADD per ack and one ZMSCORE per read, whatever the batch size. Per
         partition: a rollout's duplicates come from its job, and a job lives on one partition."""
         return f"{self.prefix}:done"
+
+    @property
+    def finished(self) -> str:
+        """Finished, unscored records of jobs a reward stage scores, replicas → reward workers (consumer
+        group REWARD_GROUP); the trainer's queue names it as the jobs' rollout_stream (reward_stage=True)."""
+        return f"{self.prefix}:finished"
+
+    @property
+    def scored(self) -> str:
+        """Sorted set of rollout ids the reward stage has published, scored by time: a duplicate record
+        (a reclaimed, regenerated job) is published to the rollout stream once (`forward`)."""
+        return f"{self.prefix}:scored"
 
 
 @dataclass(frozen=True)
@@ -155,6 +175,15 @@ class StreamKeys:
         """SCAN pattern matching every replica heartbeat key of the namespace."""
         return self._k("replica", "*")  # braces are not special in Redis's glob patterns
 
+    def rewarder(self, worker_id: str) -> str:
+        """Heartbeat key of one reward worker (JSON: its counters; expires when the worker stops)."""
+        return self._k("rewarder", worker_id)
+
+    @property
+    def rewarder_pattern(self) -> str:
+        """SCAN pattern matching every reward worker heartbeat key of the namespace."""
+        return self._k("rewarder", "*")
+
     @property
     def layout(self) -> str:
         """String: the namespace's partition count, written by the first trainer or replica, checked by
@@ -200,10 +229,12 @@ async def dead_letter(
     reason: str,
     *,
     warn: bool = True,
+    notify: tuple[str, dict] | None = None,
 ) -> None:
     """Move an entry no consumer can decode or use to the dead-letter stream of `keys` (the partition
     `stream` belongs to: one slot), atomically with its ack. warn=False: the caller reports it (e.g.
-    once for many records of an old run)."""
+    once for many records of an old run). notify: (stream of the same partition, fields) added in the
+    same transaction, to tell the next consumer (the reward stage tells the trainer)."""
     if warn:
         log.warning("dead-lettering %s entry %s: %s", stream, entry_id, reason)
     payload = b"".join(fields.values()) if fields else b""
@@ -214,8 +245,47 @@ async def dead_letter(
         maxlen=DEAD_LETTER_MAXLEN,
         approximate=True,
     )
+    if notify is not None:
+        pipe.xadd(*notify)
     ack_and_delete(pipe, stream, group, entry_id)
     await pipe.execute()
+
+
+# KEYS: the source stream, the destination stream, the set of ids forwarded. ARGV[1]: the source's group,
+# ARGV[2]: the entry id, ARGV[3]: the id to deduplicate by, ARGV[4]: now, ARGV[5]: forget ids older than
+# this, ARGV[6..]: the destination entry's fields and values. The ack decides: an entry another consumer
+# already acked (it was reclaimed while we worked) is not forwarded again, nor is an id forwarded before.
+_FORWARD = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+if redis.call('ZADD', KEYS[3], 'NX', ARGV[4], ARGV[3]) == 0 then return -1 end
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 6))
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[5])
+return 1
+"""
+
+
+async def forward(
+    r: aioredis.Redis,
+    source: str,
+    group: str,
+    entry_id: bytes,
+    destination: str,
+    fields: dict,
+    *,
+    dedupe: str,
+    dedupe_id: str,
+    dedupe_ttl_s: float,
+) -> int:
+    """Consume `entry_id` of `source` (ack and delete, as ack_and_delete) and add `fields` to `destination`,
+    in one script — one slot: the three keys must share a partition's hash tag. Returns 1 when forwarded,
+    0 when the entry had already been acked (another consumer finished it), -1 when `dedupe_id` was
+    forwarded before (kept in the sorted set `dedupe` for `dedupe_ttl_s`): at most once per id."""
+    now = time.time()
+    args: list = [group, entry_id, dedupe_id, now, now - dedupe_ttl_s]
+    for key, value in fields.items():
+        args += (key, value)
+    return int(await r.eval(_FORWARD, 3, source, destination, dedupe, *args))
 
 
 # ARGV[1]: the group; ARGV[2..]: entry ids, or none for every entry. Deletes those the group has not

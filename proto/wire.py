@@ -1,8 +1,8 @@
 """The one place that converts protobuf messages ⇄ domain objects (STYLE.md §5, §9).
 
 Here: sampling options, prompt jobs, records (with the Redis codec `encode_record` / `decode_record`),
-streamed chunks, GetInfo and UpdateWeights. The PushWeights / CollectiveSource conversions are written in
-`wire_push` and re-exported below, so callers still import one converter. Arrays travel as packed
+streamed chunks, GetInfo, UpdateWeights and Score. The PushWeights / CollectiveSource conversions are
+written in `wire_push` and re-exported below, so callers still import one converter. Arrays travel as packed
 little-endian bytes. Decoding validates lengths and shapes, so a truncated or foreign payload raises
 `WireError` instead of producing a record a trainer could misread.
 """
@@ -28,6 +28,7 @@ from .records import (
     WeightsUpdate,
     WeightsUpdateResult,
 )
+from .scoring import ScoredTokens, ScoreJob, ScoreOptions, ScoreResult
 
 # The PushWeights / CollectiveSource conversions live in wire_push; every caller imports them from here,
 # the one converter.
@@ -220,6 +221,13 @@ def record_to_pb(r: RolloutRecord, *, arrays: bool = True) -> pb.RolloutRecord:
     if multi_turn:
         msg.segment_starts.extend(r.segment_starts)
         msg.num_turns = r.num_turns
+    if r.reward is not None:  # optional: an unscored record has no reward at all, not a 0
+        msg.reward = r.reward
+        msg.reward_verifier = r.reward_verifier
+        msg.reward_reason = r.reward_reason
+    if r.teacher_semantics is not None:  # its presence says a teacher scored the record
+        msg.teacher_semantics.CopyFrom(semantics_to_pb(r.teacher_semantics))
+        msg.teacher_policy_version = r.teacher_policy_version
     if arrays:
         for name, _, a in _record_arrays(r):
             setattr(msg, name, a.tobytes())
@@ -234,10 +242,13 @@ _RECORD_ARRAYS = (
     ("topk_ids", 12, _I32),
     ("topk_logprobs", 13, _F32),
     ("loss_mask", 24, _U8),
+    ("teacher_topk_ids", 30, _I32),
+    ("teacher_topk_logprobs", 31, _F32),
+    ("teacher_sampled_logprobs", 32, _F32),
 )
-# The ones decode_record takes out of the payload itself (fields 9-13, [T] and [T, K]); the small loss
-# mask stays with the header, which protobuf parses.
-_BIG_ARRAYS = {number: name for name, number, _ in _RECORD_ARRAYS[:5]}
+# The ones decode_record takes out of the payload itself (fields 9-13 and the teacher's 30-32, [T] and
+# [T, K]); the small loss mask stays with the header, which protobuf parses.
+_BIG_ARRAYS = {number: name for name, number, _ in _RECORD_ARRAYS if number != 24}
 
 
 def _record_arrays(r: RolloutRecord) -> list[tuple[str, int, np.ndarray]]:
@@ -247,6 +258,8 @@ def _record_arrays(r: RolloutRecord) -> list[tuple[str, int, np.ndarray]]:
     gen = np.asarray(r.loss_mask, bool) if multi_turn else slice(None)
     values = (r.completion_ids, r.sampled_logprobs[gen], r.sampled_ranks[gen], r.topk_ids[gen])
     values += (r.topk_logprobs[gen], r.loss_mask)
+    teacher = (r.teacher_topk_ids, r.teacher_topk_logprobs, r.teacher_sampled_logprobs)
+    values += tuple(None if a is None else a[gen] for a in teacher)
     return [
         (name, number, np.ascontiguousarray(a, dtype=dtype))
         for (name, number, dtype), a in zip(_RECORD_ARRAYS, values, strict=True)
@@ -308,9 +321,9 @@ def record_from_pb(m: pb.RolloutRecord, *, arrays: bool = True) -> RolloutRecord
 
 
 def _record_from(m: pb.RolloutRecord, arrays: bool, blobs: dict, views: bool = False) -> RolloutRecord:
-    """record_from_pb, with the bytes of the array fields 9-13 taken from `blobs` (field name → bytes or
-    memoryview; a missing name is an empty field) rather than from `m`. views: the [T, K] top-K arrays
-    are read-only views of those bytes rather than copies."""
+    """record_from_pb, with the bytes of the array fields 9-13 and 30-32 taken from `blobs` (field name →
+    bytes or memoryview; a missing name is an empty field) rather than from `m`. views: the [T, K] top-K
+    arrays are read-only views of those bytes rather than copies."""
     big = _view if views else unpack
     if m.schema_version not in (SCHEMA_VERSION, MULTI_TURN_SCHEMA_VERSION):
         raise WireError(
@@ -357,8 +370,29 @@ def _record_from(m: pb.RolloutRecord, arrays: bool, blobs: dict, views: bool = F
         loss_mask=mask,
         segment_starts=list(m.segment_starts) if mask is not None else [],
         num_turns=m.num_turns,
+        reward=m.reward if m.HasField("reward") else None,
+        reward_verifier=m.reward_verifier,
+        reward_reason=m.reward_reason,
     )
+    if m.HasField("teacher_semantics"):
+        kt = m.teacher_semantics.logprobs_k
+        if kt < 0:
+            raise WireError(f"teacher_semantics.logprobs_k {kt} is negative")
+        rec.teacher_semantics = semantics_from_pb(m.teacher_semantics)
+        rec.teacher_policy_version = m.teacher_policy_version
+        for name, tail, dtype in (
+            ("teacher_topk_ids", (kt,), _I32),
+            ("teacher_topk_logprobs", (kt,), _F32),
+            ("teacher_sampled_logprobs", (), _F32),
+        ):
+            read = big if tail else unpack  # as fields 10-13: [T, K] views, [T] copies
+            setattr(rec, name, _scatter(blobs.get(name, b""), dtype, n, mask, tail, name, read))
+    elif any(blobs.get(name) for name in _TEACHER_ARRAYS):
+        raise WireError("teacher arrays without teacher_semantics")
     return rec
+
+
+_TEACHER_ARRAYS = ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_sampled_logprobs")
 
 
 def encode_record(r: RolloutRecord) -> bytes:
@@ -506,6 +540,13 @@ def update_request(version: int, checkpoint_dir: str, run_id: str = "") -> pb.Up
     )
 
 
+def adopt_request(version: int, fingerprint: str, run_id: str) -> pb.UpdateWeightsRequest:
+    """UpdateWeights with an AdoptSource: the replica's starting weights become `version` of `run_id`."""
+    return pb.UpdateWeightsRequest(
+        version=version, adopt=pb.AdoptSource(weights_fingerprint=fingerprint), run_id=run_id
+    )
+
+
 def update_from_pb(m: pb.UpdateWeightsRequest) -> WeightsUpdate:
     source = m.WhichOneof("source")
     return WeightsUpdate(
@@ -513,6 +554,7 @@ def update_from_pb(m: pb.UpdateWeightsRequest) -> WeightsUpdate:
         checkpoint_dir=m.checkpoint.path if source == "checkpoint" else None,
         collective=source == "collective",
         run_id=m.run_id,
+        adopt_fingerprint=m.adopt.weights_fingerprint if source == "adopt" else None,
     )
 
 
@@ -525,4 +567,81 @@ def update_result_to_pb(r: WeightsUpdateResult) -> pb.UpdateWeightsResponse:
 def update_result_from_pb(m: pb.UpdateWeightsResponse) -> WeightsUpdateResult:
     return WeightsUpdateResult(
         version=m.version, load_seconds=m.load_seconds, paused_requests=m.paused_requests
+    )
+
+
+# ---- Score ----------------------------------------------------------------------------------------
+
+
+def _int32_ids(data: bytes, what: str) -> np.ndarray:  # -> int32 [n]
+    if len(data) % 4:
+        raise WireError(f"{what}: {len(data)} bytes is not a whole number of int32")
+    return unpack(data, _I32, (len(data) // 4,), what)
+
+
+def score_request(job: ScoreJob) -> pb.ScoreRequest:
+    o = job.options
+    return pb.ScoreRequest(
+        prompt_token_ids=pack(np.asarray(job.prompt_ids), _I32),
+        completion_token_ids=[pack(np.asarray(c), _I32) for c in job.completions],
+        logprobs_k=o.logprobs_k,
+        temperature=o.temperature,
+        top_p=o.top_p,
+        top_k=o.top_k,
+        request_id=job.request_id,
+    )
+
+
+def score_from_pb(m: pb.ScoreRequest) -> ScoreJob:
+    return ScoreJob(
+        prompt_ids=_int32_ids(m.prompt_token_ids, "prompt_token_ids"),
+        completions=tuple(
+            _int32_ids(c, f"completion_token_ids[{i}]") for i, c in enumerate(m.completion_token_ids)
+        ),
+        options=ScoreOptions(
+            logprobs_k=m.logprobs_k,
+            temperature=m.temperature if m.HasField("temperature") else 1.0,
+            top_p=m.top_p if m.HasField("top_p") else 1.0,
+            top_k=m.top_k if m.HasField("top_k") else 0,
+        ),
+        request_id=m.request_id,
+    )
+
+
+def score_result_to_pb(r: ScoreResult) -> pb.ScoreResponse:
+    return pb.ScoreResponse(
+        request_id=r.request_id,
+        completions=[
+            pb.ScoredCompletion(
+                logprobs=pack(c.logprobs, _F32),
+                ranks=pack(c.ranks, _I32),
+                topk_ids=pack(c.topk_ids, _I32),
+                topk_logprobs=pack(c.topk_logprobs, _F32),
+                num_tokens=c.num_tokens,
+            )
+            for c in r.completions
+        ],
+        semantics=semantics_to_pb(r.semantics),
+        policy_version=r.policy_version,
+    )
+
+
+def score_result_from_pb(m: pb.ScoreResponse) -> ScoreResult:
+    k = m.semantics.logprobs_k
+    completions = []
+    for i, c in enumerate(m.completions):
+        t, what = c.num_tokens, f"completions[{i}]"
+        completions.append(
+            ScoredTokens(
+                logprobs=unpack(c.logprobs, _F32, (t,), f"{what}.logprobs"),
+                ranks=unpack(c.ranks, _I32, (t,), f"{what}.ranks"),
+                topk_ids=unpack(c.topk_ids, _I32, (t, k), f"{what}.topk_ids"),
+                topk_logprobs=unpack(c.topk_logprobs, _F32, (t, k), f"{what}.topk_logprobs"),
+            )
+        )
+    return ScoreResult(
+        request_id=m.request_id,
+        completions=completions,
+        semantics=semantics_from_pb(m.semantics),
+        policy_version=m.policy_version,
     )

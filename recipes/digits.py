@@ -45,6 +45,12 @@ def digit_reward(completion_ids: np.ndarray, max_tokens: int) -> float:
     return float(sum(int(t) in DIGITS for t in completion_ids)) / max_tokens
 
 
+def digit_reward_fn(inp) -> float:
+    """digit_reward for the reward stage (`maskroll reward --reward maskroll.recipes.digits:digit_reward_fn`):
+    `inp` is a maskroll.rewards.RewardInput; the job's metadata carries max_tokens (grpo.train sets it)."""
+    return digit_reward(inp.completion_ids, int(inp.metadata["max_tokens"]))
+
+
 def prompts(rng: random.Random, count: int) -> list[str]:
     return [rng.choice(TEMPLATES).format(w=rng.choice(WORDS), v=rng.choice(WORDS)) for _ in range(count)]
 

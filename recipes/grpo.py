@@ -21,7 +21,7 @@ import collections
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -39,6 +39,7 @@ from maskroll.trainer_adapter import (
     token_logprobs,
 )
 from maskroll.trainer_adapter.collate import Batch
+from maskroll.trainer_adapter.distill import distill_advantages
 from maskroll.weight_sync import make_publisher
 
 from . import digits
@@ -64,6 +65,18 @@ class StepLog:
     disagreement_frac_far: float
     seconds: float
     replicas: dict[str, int] = field(default_factory=dict)
+    distill_kl: float | None = None  # with distillation: mean log π_a − log π_teacher(a) on the batch
+
+
+def _save_final(model, model_dir: Path, final_dir: Path) -> None:
+    """`model` as a Hugging Face model directory with `model_dir`'s tokenizer and generation config."""
+    import shutil
+
+    final_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(final_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(model_dir) / name).is_file():
+            shutil.copy2(Path(model_dir) / name, final_dir / name)
 
 
 def grpc_auth() -> dict:
@@ -101,8 +114,26 @@ def realised_agreement(model: torch.nn.Module, b: Batch, cfg: MaskConfig, before
     )
 
 
-def evaluate(address: str, prompts: list[list[int]], cfg: GRPOConfig) -> float:
-    """Mean reward on held-out prompts, sampled by one replica at its current weights."""
+class DigitsTask:
+    """The demo's default task (digits.py) in the shape `train(task=...)` takes; arithmetic.QueueTask is
+    the other: sample() -> (prompt ids, job metadata), reward(record), held_out(count)."""
+
+    def __init__(self, model_dir: Path, max_tokens: int) -> None:
+        self.encode, self.max_tokens = digits.encoder(model_dir), max_tokens
+
+    def sample(self, rng: random.Random) -> tuple[list[int], dict[str, str]]:
+        return self.encode(digits.prompts(rng, 1)[0]), {}
+
+    def reward(self, record) -> float:
+        return digits.digit_reward(record.completion_ids, self.max_tokens)
+
+    def held_out(self, count: int) -> list[tuple[list[int], dict[str, str]]]:
+        return [(self.encode(p), {}) for p in digits.held_out(count)]
+
+
+def evaluate(address: str, prompts: list, cfg: GRPOConfig, task=None) -> float:
+    """Mean reward on held-out prompts, sampled by one replica at its current weights. prompts: token ids,
+    or (token ids, metadata) pairs of `task` (default the digits task)."""
     opts = SamplingOptions(
         max_tokens=cfg.max_tokens,
         logprobs_k=0,
@@ -113,9 +144,13 @@ def evaluate(address: str, prompts: list[list[int]], cfg: GRPOConfig) -> float:
     rewards = []
     with SyncRolloutClient(address, **grpc_auth()) as c:
         for p in prompts:
-            rewards += [
-                digits.digit_reward(r.completion_ids, cfg.max_tokens) for r in c.generate_records(p, opts)
-            ]
+            if task is None:
+                rewards += [
+                    digits.digit_reward(r.completion_ids, cfg.max_tokens) for r in c.generate_records(p, opts)
+                ]
+            else:  # the records of a direct request carry no job metadata: the held-out pair's is added
+                ids, meta = p
+                rewards += [task.reward(replace(r, metadata=meta)) for r in c.generate_records(ids, opts)]
     return sum(rewards) / len(rewards)
 
 
@@ -175,22 +210,34 @@ def train(
     min_replicas: int = 1,
     run: Literal["new", "resume"] = "new",
     weight_transport: Literal["stream", "directory"] = "stream",
+    reward_stage: bool = False,
+    task=None,
+    distill_weight: float | None = None,
+    distill_rl: bool = False,
+    final_dir: Path | None = None,
 ) -> dict:
     """Train against the replicas of `namespace`; returns the run's summary (rewards, steps, versions).
+    reward_stage: the rollouts are scored by a reward stage (`maskroll reward` with
+    digits.digit_reward_fn) and arrive with their rewards, instead of being scored here.
     run: "new" starts a training run from `model_dir`'s weights, "resume" continues the namespace's run
     from its last checkpoint (see the module docstring). weight_transport: "stream" pushes each version
     to the replicas over gRPC (`weights_root` is then the trainer's own copy, for resuming);
-    "directory" writes it under `weights_root`, the replicas' shared --weights-root."""
+    "directory" writes it under `weights_root`, the replicas' shared --weights-root. task: what to train
+    on (DigitsTask by default; arithmetic.QueueTask for `maskroll demo --model smollm2`).
+    distill_weight: on-policy distillation from the teacher scores the records carry (the teacher stage,
+    `maskroll teacher`): the per-token advantage is λ·(log π_teacher(a) − log π_a), plus the group's RL
+    advantage when `distill_rl` (docs/math.md §10.1). final_dir: write the final policy there as a
+    Hugging Face model directory (with `model_dir`'s tokenizer)."""
     import transformers
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)
     rng = random.Random(cfg.seed)
-    encode = digits.encoder(model_dir)
     mask_cfg = cfg.mask
     opts = SamplingOptions(max_tokens=cfg.max_tokens, logprobs_k=cfg.logprobs_k, temperature=cfg.temperature)
-    eval_prompts = [encode(p) for p in digits.held_out(cfg.eval_prompts)]
+    task = task or DigitsTask(model_dir, cfg.max_tokens)
+    eval_prompts = task.held_out(cfg.eval_prompts)
 
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -198,18 +245,26 @@ def train(
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     auth = grpc_auth()
     with RolloutQueue(
-        redis_url, namespace, run=run, batch_size=cfg.batch_size, max_staleness=cfg.max_staleness, **auth
+        redis_url,
+        namespace,
+        run=run,
+        batch_size=cfg.batch_size,
+        max_staleness=cfg.max_staleness,
+        reward_stage=reward_stage,
+        **auth,
     ) as q:
         eval_address = wait_for_replicas(q, min_replicas)[0].address
         publisher = make_publisher(weight_transport, q, root=weights_root, keep=2)
         publisher.start(model)  # every replica now samples from the run's current weights (and `model` too)
-        reward_before = evaluate(eval_address, eval_prompts, cfg)
+        reward_before = evaluate(eval_address, eval_prompts, cfg, task)
         print(f"  held-out reward before training: {reward_before:.3f}", flush=True)
 
         def top_up() -> None:  # admission control: at most (max_staleness + 1) × batch in flight
             while (q.room() or 0) >= cfg.n:
-                q.submit(encode(digits.prompts(rng, 1)[0]), opts, n=cfg.n)
+                ids, task_meta = task.sample(rng)
+                q.submit(ids, opts, n=cfg.n, metadata={**meta, **task_meta})
 
+        meta = {"max_tokens": str(cfg.max_tokens)}  # what digit_reward_fn needs, in every record
         top_up()
         history: list[StepLog] = []
         tokens_total, t_train = 0, time.monotonic()
@@ -217,12 +272,25 @@ def train(
             t0 = time.monotonic()
             batch = q.next_batch(timeout=300)
             top_up()  # generation of the next batch overlaps with this step
-            rewards = [digits.digit_reward(r.completion_ids, cfg.max_tokens) for r in batch]
-            b = collate(batch, rewards)
+            if reward_stage:  # scored on the rollout side; collate reads the records' rewards
+                b = collate(batch)
+                rewards = [r.reward for r in batch]
+            else:
+                rewards = [task.reward(r) for r in batch]
+                b = collate(batch, rewards)
             logits = completion_logits(model, b)
             lp, stats = token_logprobs(logits, b.completion_ids, temperature=b.temperature, return_stats=True)
             res = masks(logits.detach(), b, mask_cfg, vocab_stats=stats)
-            loss, m = policy_loss(lp, b.sampled_logprobs, b.advantages, res.keep, masks=res)
+            adv, kl = b.advantages, None
+            if distill_weight is not None:  # on-policy distillation (docs/math.md §10.1)
+                if b.teacher_sampled_logprobs is None:
+                    raise ValueError("distillation needs records a teacher scored (maskroll teacher)")
+                rl = b.advantages if distill_rl else None
+                adv = distill_advantages(
+                    lp, b.teacher_sampled_logprobs, rl, weight=distill_weight, response_mask=b.response_mask
+                )
+                kl = scalar((lp.detach() - b.teacher_sampled_logprobs)[b.response_mask].mean())
+            loss, m = policy_loss(lp, b.sampled_logprobs, adv, res.keep, masks=res, config=mask_cfg)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -249,10 +317,11 @@ def train(
                 disagreement_frac_far=scalar(agree["_sets"]["disagreement_frac_far"]),
                 seconds=time.monotonic() - t0,
                 replicas=dict(collections.Counter(r.replica_id for r in batch)),
+                distill_kl=kl,
             )
             history.append(log)
             print(progress(step, cfg.steps, log), flush=True)
-        reward_after = evaluate(eval_address, eval_prompts, cfg)
+        reward_after = evaluate(eval_address, eval_prompts, cfg, task)
         print(
             f"  held-out reward after training: {reward_after:.3f} (before: {reward_before:.3f})", flush=True
         )
@@ -260,6 +329,8 @@ def train(
         for rep in q.replicas():  # ask each replica: heartbeats refresh only every few seconds
             with SyncRolloutClient(rep.address, **auth) as c:
                 replica_versions[rep.replica_id] = c.info().policy_version
+        if final_dir is not None:  # the final policy as a Hugging Face model directory
+            _save_final(model, model_dir, final_dir)
         publisher.close()  # a StreamPublisher's follower thread uses the queue, which closes next
         q.cancel_pending_jobs()  # prompts no replica started would only be refused by the next run
         queue_stats = asdict(q.stats)

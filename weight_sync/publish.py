@@ -35,24 +35,14 @@ from maskroll.client import BroadcastError, ReplicaWeights
 
 from . import broadcast
 from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+from .fingerprint import model_fingerprint
 
 if TYPE_CHECKING:
     from maskroll.client import RolloutQueue, RunInfo
 
 log = logging.getLogger(__name__)
 
-OK = ("ok", "unchanged")  # a replica that serves the version now
-
-
-def on_other_weights(serving: Mapping[str, object], run_id: str) -> dict[str, object]:
-    """The replicas of `serving` ({replica_id: ReplicaWeights | error}) not known to hold version 0 of
-    run `run_id` — a new run must publish its starting weights to them. A replica still on its
-    starting weights (version 0, no run yet) is taken to hold what the run starts from."""
-    return {
-        r: w
-        for r, w in serving.items()
-        if not (isinstance(w, ReplicaWeights) and w.version == 0 and w.run_id in ("", run_id))
-    }
+OK = ("ok", "unchanged", "adopted")  # a replica that serves the version now
 
 
 def next_version(last: int, version: int | None) -> int:
@@ -119,6 +109,16 @@ class QueueFleet:
     def sync_replicas(self, timeout: float = 120.0) -> dict[str, str]:
         return broadcast.sync_replicas(self.queue, timeout)
 
+    def adopt_replicas(self, fingerprint: str, timeout: float = 10.0) -> dict[str, str]:
+        return broadcast.adopt_replicas(self.queue, fingerprint, timeout)
+
+
+def _starting(adopted: Mapping[str, str], results: Mapping[str, str]) -> str:
+    """How a new run's version 0 reached the replicas, for the log."""
+    took = {r: "adopted (its starting weights are this model)" for r, e in adopted.items() if e == "ok"}
+    loaded = {r: e for r, e in results.items() if e != "unchanged" or r not in took}
+    return ", ".join(f"{r}: {e}" for r, e in {**loaded, **took}.items()) or "no live replica yet"
+
 
 def fleet_of(queue: RolloutQueue | Fleet) -> Fleet:
     """A RolloutQueue's QueueFleet; anything else is taken to be a Fleet already."""
@@ -174,9 +174,11 @@ class CheckpointPublisher:
 
         A resumed run at version v > 0 loads its checkpoint of v into `model` (optimiser state is the
         trainer's own business) and makes every replica that does not serve v of this run load it. A
-        run at version 0 publishes `model` as version 0 if some replica serves other weights (another
-        run's); replicas still on their starting weights are taken to hold what `model` starts from —
-        start them with the same `--model`. Raises WeightSyncError as `publish` does."""
+        run at version 0 saves `model` as its version 0 and records it (so a replica that joins later
+        loads it); live replicas whose starting weights are `model`'s (equal weights fingerprints,
+        GetInfo) adopt it without loading, the others load it — a replica started with another
+        `--model` never serves the run a model the trainer does not train. Raises WeightSyncError as
+        `publish` does (no live replica yet is not an error here)."""
         fleet = self.fleet
         run = getattr(fleet, "run", None)
         if run is None or not hasattr(fleet, "replica_weights"):
@@ -187,11 +189,14 @@ class CheckpointPublisher:
             log.info("resumed run %s at version %d from %s", run.run_id, run.version, run.checkpoint or own)
             self._checked(run.version, lambda: fleet.sync_replicas(timeout=self.timeout))
             return run.version
-        other = on_other_weights(fleet.replica_weights(), run.run_id)
-        if other:
-            log.info("run %s starts at version 0; replicas serving other weights: %s", run.run_id, other)
+        adopted = fleet.adopt_replicas(model_fingerprint(model)) if hasattr(fleet, "adopt_replicas") else {}
+        try:
             results = self.publish(model, 0)
-            log.info("version 0 of run %s published: %s", run.run_id, results)
+        except WeightSyncError as e:
+            if e.results:  # some replica was there and did not take it
+                raise
+            results = {}
+        log.info("run %s starts at version 0: %s", run.run_id, _starting(adopted, results))
         return 0
 
     def publish(

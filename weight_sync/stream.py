@@ -32,7 +32,8 @@ from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES, TensorSpec, WeightsM
 
 from . import broadcast
 from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
-from .publish import WeightSyncError, checked, next_version, on_other_weights
+from .fingerprint import model_fingerprint
+from .publish import WeightSyncError, checked, next_version
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ class StreamPublisher:
         self.chunk_bytes = chunk_bytes
         self.resume_from_base = resume_from_base
         self.held = held  # (run id, version) of the weights the trainer's model holds, as last known
+        self._fingerprint = ""  # of the model start() was given at version 0: replicas holding it adopt
         self._tensors: dict[str, torch.Tensor] | None = None  # the last published version's snapshot
         self._manifest: WeightsManifest | None = None
         self._lock = threading.Lock()  # one push at a time: publish vs the follower's catch-up
@@ -173,8 +175,9 @@ class StreamPublisher:
         it (with `held` naming v of this run, `model` is taken to hold it). Without that copy
         (the stream keeps none outside the trainer) it raises RuntimeError, unless
         `resume_from_base=True`: then `model` is published as a new version v + 1 (returned), never
-        labelled v. A run at 0 publishes `model` as version 0 if some replica serves other weights, as
-        CheckpointPublisher.start."""
+        labelled v. A run at 0 publishes `model` as its version 0: live replicas whose starting weights
+        are `model`'s (equal weights fingerprints) adopt it, the others are pushed it, and the follower
+        does the same for replicas that join later (CheckpointPublisher.start)."""
         run = self.queue.run
         if run.version > 0:
             own = checkpoint_dir(self.save_root, run.version) if self.save_root else None
@@ -197,12 +200,14 @@ class StreamPublisher:
             self._remember(snapshot(model), run.version)
             self.catch_up()
             return run.version
-        other = on_other_weights(broadcast.replica_weights(self.queue), run.run_id)
-        if other:
-            log.info("run %s starts at version 0; replicas serving other weights: %s", run.run_id, other)
-            self.publish(model, 0)
-        else:
-            self._remember(snapshot(model), 0)
+        self._fingerprint = model_fingerprint(model)
+        try:
+            results = self.publish(model, 0)
+        except WeightSyncError as e:
+            if e.results:  # some replica was there and did not take it
+                raise
+            results = {}
+        log.info("run %s starts at version 0: %s", run.run_id, results or "no live replica yet")
         return 0
 
     def _resume_as_new_version(self, model: torch.nn.Module, run) -> int:
@@ -243,6 +248,7 @@ class StreamPublisher:
                     self._chunks,
                     timeout=self.timeout,
                     record=STREAM_RECORD,
+                    fingerprint=self._fingerprint if version == 0 else "",
                 )
             except BroadcastError as e:
                 raise WeightSyncError(version, e.failed, e.results) from e
@@ -262,6 +268,7 @@ class StreamPublisher:
                 self._chunks,
                 timeout=self.timeout,
                 record=None,
+                fingerprint=self._fingerprint if self._manifest.version == 0 else "",
             )
 
     def close(self) -> None:

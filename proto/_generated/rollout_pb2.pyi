@@ -97,7 +97,7 @@ class VersionChange(_message.Message):
     def __init__(self, token_index: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class RolloutRecord(_message.Message):
-    __slots__ = ("schema_version", "rollout_id", "request_id", "job_id", "group_id", "sample_index", "metadata", "prompt_token_ids", "completion_token_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs", "num_tokens", "finish_reason", "semantics", "policy_version_first", "policy_version_last", "version_changes", "replica_id", "created_at", "group_size", "run_id", "loss_mask", "segment_starts", "num_turns")
+    __slots__ = ("schema_version", "rollout_id", "request_id", "job_id", "group_id", "sample_index", "metadata", "prompt_token_ids", "completion_token_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs", "num_tokens", "finish_reason", "semantics", "policy_version_first", "policy_version_last", "version_changes", "replica_id", "created_at", "group_size", "run_id", "loss_mask", "segment_starts", "num_turns", "reward", "reward_verifier", "reward_reason", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_sampled_logprobs", "teacher_semantics", "teacher_policy_version")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,14 @@ class RolloutRecord(_message.Message):
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_STARTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    REWARD_VERIFIER_FIELD_NUMBER: _ClassVar[int]
+    REWARD_REASON_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_SEMANTICS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     rollout_id: str
     request_id: str
@@ -157,7 +165,15 @@ class RolloutRecord(_message.Message):
     loss_mask: bytes
     segment_starts: _containers.RepeatedScalarFieldContainer[int]
     num_turns: int
-    def __init__(self, schema_version: _Optional[int] = ..., rollout_id: _Optional[str] = ..., request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_token_ids: _Optional[bytes] = ..., completion_token_ids: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., sampled_ranks: _Optional[bytes] = ..., topk_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., semantics: _Optional[_Union[Semantics, _Mapping]] = ..., policy_version_first: _Optional[int] = ..., policy_version_last: _Optional[int] = ..., version_changes: _Optional[_Iterable[_Union[VersionChange, _Mapping]]] = ..., replica_id: _Optional[str] = ..., created_at: _Optional[float] = ..., group_size: _Optional[int] = ..., run_id: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., segment_starts: _Optional[_Iterable[int]] = ..., num_turns: _Optional[int] = ...) -> None: ...
+    reward: float
+    reward_verifier: str
+    reward_reason: str
+    teacher_topk_ids: bytes
+    teacher_topk_logprobs: bytes
+    teacher_sampled_logprobs: bytes
+    teacher_semantics: Semantics
+    teacher_policy_version: int
+    def __init__(self, schema_version: _Optional[int] = ..., rollout_id: _Optional[str] = ..., request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_token_ids: _Optional[bytes] = ..., completion_token_ids: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., sampled_ranks: _Optional[bytes] = ..., topk_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., semantics: _Optional[_Union[Semantics, _Mapping]] = ..., policy_version_first: _Optional[int] = ..., policy_version_last: _Optional[int] = ..., version_changes: _Optional[_Iterable[_Union[VersionChange, _Mapping]]] = ..., replica_id: _Optional[str] = ..., created_at: _Optional[float] = ..., group_size: _Optional[int] = ..., run_id: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., segment_starts: _Optional[_Iterable[int]] = ..., num_turns: _Optional[int] = ..., reward: _Optional[float] = ..., reward_verifier: _Optional[str] = ..., reward_reason: _Optional[str] = ..., teacher_topk_ids: _Optional[bytes] = ..., teacher_topk_logprobs: _Optional[bytes] = ..., teacher_sampled_logprobs: _Optional[bytes] = ..., teacher_semantics: _Optional[_Union[Semantics, _Mapping]] = ..., teacher_policy_version: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("request_id", "sample_index", "start_index", "token_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs", "logprobs_k", "policy_version", "record")
@@ -254,16 +270,24 @@ class TensorChunk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "checkpoint", "collective", "run_id")
+    __slots__ = ("version", "checkpoint", "collective", "adopt", "run_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     checkpoint: CheckpointSource
     collective: CollectiveSource
+    adopt: AdoptSource
     run_id: str
-    def __init__(self, version: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointSource, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSource, _Mapping]] = ..., run_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointSource, _Mapping]] = ..., collective: _Optional[_Union[CollectiveSource, _Mapping]] = ..., adopt: _Optional[_Union[AdoptSource, _Mapping]] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class AdoptSource(_message.Message):
+    __slots__ = ("weights_fingerprint",)
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    weights_fingerprint: str
+    def __init__(self, weights_fingerprint: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "load_seconds", "paused_requests")
@@ -280,7 +304,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "engine", "engine_version", "maskroll_version", "policy_version", "max_logprobs_k", "max_model_len", "vocab_size", "max_tokens", "max_n", "logprobs_mode", "replica_id", "max_message_bytes", "dtype", "seed", "max_batch", "tensor_parallel_size", "quantization", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization", "kv_cache_tokens", "run_id")
+    __slots__ = ("model", "engine", "engine_version", "maskroll_version", "policy_version", "max_logprobs_k", "max_model_len", "vocab_size", "max_tokens", "max_n", "logprobs_mode", "replica_id", "max_message_bytes", "dtype", "seed", "max_batch", "tensor_parallel_size", "quantization", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization", "kv_cache_tokens", "run_id", "weights_fingerprint", "in_flight", "jobs_running", "generated_tokens", "published_records")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +328,11 @@ class ServerInfo(_message.Message):
     GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    JOBS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_RECORDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     engine_version: str
@@ -327,7 +356,12 @@ class ServerInfo(_message.Message):
     gpu_memory_utilization: float
     kv_cache_tokens: int
     run_id: str
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., maskroll_version: _Optional[str] = ..., policy_version: _Optional[int] = ..., max_logprobs_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_n: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., replica_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_tokens: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
+    weights_fingerprint: str
+    in_flight: int
+    jobs_running: int
+    generated_tokens: int
+    published_records: int
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., maskroll_version: _Optional[str] = ..., policy_version: _Optional[int] = ..., max_logprobs_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_n: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., replica_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_tokens: _Optional[int] = ..., run_id: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., in_flight: _Optional[int] = ..., jobs_running: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., published_records: _Optional[int] = ...) -> None: ...
 
 class PromptJob(_message.Message):
     __slots__ = ("job_id", "prompt_token_ids", "options", "group_id", "metadata", "submitted_at", "rollout_stream", "schema_version", "run_id")
@@ -357,3 +391,47 @@ class PromptJob(_message.Message):
     schema_version: int
     run_id: str
     def __init__(self, job_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., options: _Optional[_Union[SamplingOptions, _Mapping]] = ..., group_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., submitted_at: _Optional[float] = ..., rollout_stream: _Optional[str] = ..., schema_version: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("prompt_token_ids", "completion_token_ids", "logprobs_k", "temperature", "top_p", "top_k", "request_id")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_K_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: bytes
+    completion_token_ids: _containers.RepeatedScalarFieldContainer[bytes]
+    logprobs_k: int
+    temperature: float
+    top_p: float
+    top_k: int
+    request_id: str
+    def __init__(self, prompt_token_ids: _Optional[bytes] = ..., completion_token_ids: _Optional[_Iterable[bytes]] = ..., logprobs_k: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ScoredCompletion(_message.Message):
+    __slots__ = ("logprobs", "ranks", "topk_ids", "topk_logprobs", "num_tokens")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: bytes
+    ranks: bytes
+    topk_ids: bytes
+    topk_logprobs: bytes
+    num_tokens: int
+    def __init__(self, logprobs: _Optional[bytes] = ..., ranks: _Optional[bytes] = ..., topk_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("request_id", "completions", "semantics", "policy_version")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    SEMANTICS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    completions: _containers.RepeatedCompositeFieldContainer[ScoredCompletion]
+    semantics: Semantics
+    policy_version: int
+    def __init__(self, request_id: _Optional[str] = ..., completions: _Optional[_Iterable[_Union[ScoredCompletion, _Mapping]]] = ..., semantics: _Optional[_Union[Semantics, _Mapping]] = ..., policy_version: _Optional[int] = ...) -> None: ...

@@ -55,6 +55,11 @@ class RolloutServiceStub:
                 request_serializer=maskroll_dot_v1_dot_rollout__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=maskroll_dot_v1_dot_rollout__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/maskroll.v1.RolloutService/Score',
+                request_serializer=maskroll_dot_v1_dot_rollout__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=maskroll_dot_v1_dot_rollout__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -91,6 +96,15 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Score given completions of one prompt without sampling (a teacher): per completion token, the given
+        token's logprob and rank and the top-K of the processed distribution μ at the request's temperature
+        and truncation, the same μ as a record's (docs/records.md "Scoring").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +127,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=maskroll_dot_v1_dot_rollout__pb2.GetInfoRequest.FromString,
                     response_serializer=maskroll_dot_v1_dot_rollout__pb2.ServerInfo.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=maskroll_dot_v1_dot_rollout__pb2.ScoreRequest.FromString,
+                    response_serializer=maskroll_dot_v1_dot_rollout__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +242,33 @@ class RolloutService:
             '/maskroll.v1.RolloutService/GetInfo',
             maskroll_dot_v1_dot_rollout__pb2.GetInfoRequest.SerializeToString,
             maskroll_dot_v1_dot_rollout__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/maskroll.v1.RolloutService/Score',
+            maskroll_dot_v1_dot_rollout__pb2.ScoreRequest.SerializeToString,
+            maskroll_dot_v1_dot_rollout__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,10 +4,11 @@ An engine generates one sample per request and streams `EngineOutput`s: new toke
 of the *processed* distribution it sampled from (temperature, then top-k, then top-p, renormalised),
 exactly K top-K entries per token sorted by rank, and the sampled token's logprob and rank separately.
 Cancelling the consumer of `generate` (CancelledError / aclose) must abort the request in the engine.
-Engines stop only on `stop_token_ids` and max_tokens / the context (the servicer decides which ids stop,
-the model's EOS included, so both engines follow one rule). Ranks follow vLLM: the number of tokens
-whose μ is at least the sampled token's (so 1 for the most likely token; ties rank it lower). Engines
-know nothing of gRPC, Redis or protobuf.
+`score` scores given completions under the same processed μ without sampling (a teacher; docs/records.md
+"Scoring"). Engines stop only on `stop_token_ids` and max_tokens / the context (the servicer decides
+which ids stop, the model's EOS included, so both engines follow one rule). Ranks follow vLLM: the number
+of tokens whose μ is at least the sampled token's (so 1 for the most likely token; ties rank it lower).
+Engines know nothing of gRPC, Redis or protobuf.
 
 An engine that can serve no more (its decode loop died or is stuck, vLLM's engine core is gone) says why
 in `failure()`, which the replica's health status follows (NOT_SERVING: an orchestrator restarts it),
@@ -25,7 +26,7 @@ from __future__ import annotations
 import abc
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,30 @@ class EngineOutput:
 
 
 @dataclass(frozen=True)
+class ScoreRequest:
+    """Completions of one prompt to score under the processed μ of `params` (temperature, top_k, top_p,
+    logprobs_k = K; max_tokens is the longest completion, seed and stop ids are unused): nothing sampled."""
+
+    request_id: str
+    prompt_ids: np.ndarray  # int32 [P]
+    completions: tuple[np.ndarray, ...]  # int32 [T_i] each
+    params: SamplingParams
+
+
+@dataclass
+class ScoreOutput:
+    """Per completion, per token: log μ of the given token (-inf where truncation removed it), its rank
+    (the number of tokens whose μ is at least its own, as a sampled token's), the top-K of μ sorted by
+    rank. One policy version for every completion of the request."""
+
+    logprobs: list[np.ndarray]  # float32 [T_i]
+    ranks: list[np.ndarray]  # int32 [T_i], 1-based
+    topk_ids: list[np.ndarray]  # int32 [T_i, K]
+    topk_logprobs: list[np.ndarray]  # float32 [T_i, K]
+    policy_version: int
+
+
+@dataclass(frozen=True)
 class EngineLimits:
     vocab_size: int
     max_model_len: int  # prompt + completion tokens
@@ -131,6 +156,28 @@ def check_request(request: EngineRequest, limits: EngineLimits) -> None:
     )
     if problems:
         raise ValueError(problems[0])
+
+
+def check_score_request(request: ScoreRequest, limits: EngineLimits) -> None:
+    """`check_request` for a score: the prompt and every completion are ids in the vocabulary, each
+    prompt + completion fits max_model_len, and the options pass the sampling rules."""
+    prompt = np.asarray(request.prompt_ids)
+    if not request.completions:
+        raise ValueError("completions is empty")
+    for i, c in enumerate(request.completions):
+        c = np.asarray(c)
+        problem = prompt_problem(c, vocab_size=limits.vocab_size, name=f"completion_ids[{i}]")
+        if problem:
+            raise ValueError(problem)
+        check_request(
+            EngineRequest(request.request_id, prompt, replace(request.params, max_tokens=int(c.size))),
+            limits,
+        )
+        if prompt.size + c.size > limits.max_model_len:
+            raise ValueError(
+                f"completion_ids[{i}]: {prompt.size} + {c.size} tokens exceed max_model_len "
+                f"{limits.max_model_len}"
+            )
 
 
 def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
@@ -186,3 +233,9 @@ class Engine(abc.ABC):
         """Load safetensors weights from `checkpoint_dir` and make `version` current. In-flight requests
         are paused (not dropped) while loading and resume under the new version. Returns the number of
         requests that were in flight."""
+
+    async def score(self, request: ScoreRequest) -> ScoreOutput:
+        """Score the request's completions without sampling (`ScoreOutput`), all under one policy
+        version: the logprobs of the same processed μ `generate` samples from for the same parameters.
+        Not abstract: an engine that cannot score (a test fake) says so (UNIMPLEMENTED)."""
+        raise NotImplementedError(f"the {self.name} engine does not score")

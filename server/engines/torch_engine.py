@@ -42,7 +42,7 @@ import torch
 
 from maskroll.trainer_adapter.processed import Workspace, processed_chunk
 
-from . import torch_weights
+from . import torch_score, torch_weights
 from .contract import (
     Engine,
     EngineDead,
@@ -51,7 +51,10 @@ from .contract import (
     EngineRequest,
     EngineSettings,
     SamplingParams,
+    ScoreOutput,
+    ScoreRequest,
     check_request,
+    check_score_request,
     eos_token_ids,
 )
 from .torch_batch import Batch
@@ -106,6 +109,14 @@ class _Token:
     topk_logprobs: np.ndarray  # float32 [K]
     version: int
     finish: str | None
+
+
+@dataclass(eq=False)  # identity semantics: jobs live in sets
+class _Score:
+    """One Score request: every completion scored on the decode thread in one go (one policy version)."""
+
+    request: ScoreRequest
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
 @dataclass
@@ -184,6 +195,7 @@ class TorchEngine(Engine):
         self._pending: collections.deque[_Handle] = collections.deque()
         self._cancelled: set[_Handle] = set()
         self._updates: list[_Update] = []
+        self._scores: collections.deque[_Score] = collections.deque()
         self._stopping = False
         self._num_active = 0
         self._dead: str | None = None  # why the engine serves no more; set once, never cleared
@@ -191,6 +203,7 @@ class TorchEngine(Engine):
         # the decode thread's hands, in the batch): what a dying engine must fail. Guarded by _cv.
         self._live: set[_Handle] = set()
         self._live_updates: list[_Update] = []
+        self._live_scores: set[_Score] = set()
         self._stall_timeout_s = float(stall_timeout_s)
         # Written by the decode thread, read by failure(): when the running iteration last made progress
         # (a forward finished); None while the thread waits for work.
@@ -198,6 +211,7 @@ class TorchEngine(Engine):
         # Owned by the decode thread.
         self._batch = Batch(self._device)  # the _Handles being decoded and their KV cache
         self._work = Workspace()
+        self._score_work = Workspace()  # scoring's chunks: a buffer of their own, not the batch's
         self._version = 0
         self.forward_calls = 0  # prefills + decode steps
         self.decode_steps = 0  # batched forwards over the active rows
@@ -259,8 +273,12 @@ class TorchEngine(Engine):
                 self._finish(handle, err)
             for update in self._updates:
                 update.future.set_exception(err)
+            for job in self._scores:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    job.future.set_exception(err)
             self._pending.clear()
             self._updates.clear()
+            self._scores.clear()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         self._validate(request)
@@ -302,6 +320,23 @@ class TorchEngine(Engine):
             if not finished:  # cancelled or closed by the consumer: free the row at the next step
                 self._abort(handle)
 
+    async def score(self, request: ScoreRequest) -> ScoreOutput:
+        """Scored on the decode thread between two steps (a forward per completion, like a prefill): the
+        weights cannot change under it, and every completion sees the same version."""
+        check_score_request(request, self._limits)
+        self._check_temperature(request.params.temperature)
+        if self._thread is None:
+            raise RuntimeError("engine not started")
+        job = _Score(request)
+        with self._cv:
+            if self._dead is not None:
+                raise self._dead_error()
+            self._live_scores.add(job)
+            self._scores.append(job)
+            self._cv.notify_all()
+        # Cancelling the caller cancels the job's future: the decode thread then skips it.
+        return await asyncio.wrap_future(job.future)
+
     async def update_weights(self, version: int, checkpoint_dir: Path) -> int:
         if self._thread is None:
             raise RuntimeError("engine not started")
@@ -337,7 +372,10 @@ class TorchEngine(Engine):
         """Cheap checks that keep a bad request from failing inside the shared batch (the servicer has
         already validated; this is the engine's own guard)."""
         check_request(request, self._limits)
-        t = request.params.temperature
+        self._check_temperature(request.params.temperature)
+
+    @staticmethod
+    def _check_temperature(t: float) -> None:
         if t < MIN_TEMPERATURE:
             raise ValueError(
                 f"temperature must be >= {MIN_TEMPERATURE:.3g} for the torch engine, got {t:g}: it computes "
@@ -357,15 +395,17 @@ class TorchEngine(Engine):
             self._dead = reason
             self._pending.clear()
             self._updates.clear()
+            self._scores.clear()
             handles, updates = list(self._live), list(self._live_updates)
+            scores = list(self._live_scores)
             self._cv.notify_all()
         log.error("torch engine: %s; failing %d requests, refusing new ones", reason, len(handles))
         err = self._dead_error()
         for handle in handles:
             self._finish(handle, err)
-        for update in updates:
+        for job in [*updates, *scores]:
             with contextlib.suppress(concurrent.futures.InvalidStateError):
-                update.future.set_exception(err)
+                job.future.set_exception(err)
 
     def _abort(self, handle: _Handle) -> None:
         with self._cv:
@@ -409,6 +449,7 @@ class TorchEngine(Engine):
                     or self._dead is not None
                     or self._updates
                     or self._cancelled
+                    or self._scores
                     or self._batch.rows
                     or (self._pending and len(self._batch) < self._max_batch)
                 ):
@@ -418,10 +459,14 @@ class TorchEngine(Engine):
                 self._beat = time.monotonic()
                 updates, self._updates = self._updates, []
                 cancelled, self._cancelled = self._cancelled, set()
+                scores = list(self._scores)
+                self._scores.clear()
                 room = self._max_batch - len(self._batch) + len(cancelled & set(self._batch.rows))
                 admit = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
             for update in updates:
                 self._apply_update(update)
+            for job in scores:
+                self._score(job)
             if cancelled:
                 try:
                     self._drop(cancelled)
@@ -460,6 +505,39 @@ class TorchEngine(Engine):
         with self._cv:
             in_flight = self._num_active
         update.future.set_result(in_flight)
+
+    def _score(self, job: _Score) -> None:
+        """Score one request (torch_score); its failure is its own, the engine serves on."""
+        try:
+            if job.future.cancelled():  # the caller went away before its turn
+                return
+            r, p = job.request, job.request.params
+            rows = []
+            for c in r.completions:
+                rows.append(
+                    torch_score.score_completion(
+                        self._model,
+                        r.prompt_ids,
+                        c,
+                        temperature=p.temperature,
+                        top_k=p.top_k,
+                        top_p=p.top_p,
+                        k=p.logprobs_k,
+                        work=self._score_work,
+                    )
+                )
+                self.forward_calls += 1
+                self._beat = time.monotonic()
+            out = ScoreOutput(*(list(a) for a in zip(*rows, strict=True)), policy_version=self._version)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled meanwhile
+                job.future.set_result(out)
+        except Exception as exc:
+            log.warning("torch engine: score request %s failed: %r", job.request.request_id, exc)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                job.future.set_exception(exc)
+        finally:
+            with self._cv:
+                self._live_scores.discard(job)
 
     def _forward(self, **kwargs) -> Tensor:  # [B, V] float32 logits of each row's last position
         cache = kwargs.pop("cache")

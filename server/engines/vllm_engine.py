@@ -34,11 +34,20 @@ from .contract import (
     EngineOutput,
     EngineRequest,
     EngineSettings,
+    ScoreOutput,
+    ScoreRequest,
     check_request,
+    check_score_request,
     eos_token_ids,
 )
 from .vllm_args import base_engine_args, convert_vllm_args, default_cache_env, effective_settings
-from .vllm_outputs import finish_reason, logprob_arrays, split_by_version, token_versions
+from .vllm_outputs import (
+    finish_reason,
+    logprob_arrays,
+    prompt_logprob_arrays,
+    split_by_version,
+    token_versions,
+)
 
 # vLLM treats temperature < 1e-5 as greedy and then returns *unscaled* logprobs (v1/sample/sampler.py
 # Sampler.sample, _SAMPLING_EPS), and rejects temperature > 2 (sampling_params.py _verify_args). The
@@ -46,6 +55,9 @@ from .vllm_outputs import finish_reason, logprob_arrays, split_by_version, token
 # engine), so it is the engine-specific temperature rule of this engine's guard.
 MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 2.0
+# A Score whose completions straddle a weight update is scored again (`score`); updates are seconds apart,
+# so a third straddle means something keeps reloading.
+SCORE_ATTEMPTS = 3
 
 
 # ---- engine arguments (vllm_args translates; vLLM's own parser lives here) ---------------------------
@@ -364,6 +376,77 @@ class VllmEngine(Engine):
             # output processor and the engine core (v1/engine/async_llm.py AsyncLLM.generate). Without
             # this the abort would wait for the garbage collector to finalise the generator.
             await stream.aclose()
+
+    # ---- scoring ----------------------------------------------------------------------------------
+
+    async def score(self, request: ScoreRequest) -> ScoreOutput:
+        """Each completion as one request over prompt + completion with `prompt_logprobs=K` and
+        max_tokens=1 (its one sampled token is discarded), all under one weight version (updates wait).
+
+        Shim: prompt logprobs skip the sampler, so they are log_softmax of the *raw* logits whatever the
+        logprobs mode (v1/worker/gpu_model_runner.py _get_prompt_logprobs_dict: "prompt tokens skip
+        sampling processors"; the CPU model runner inherits it). They equal the processed μ only at
+        temperature 1 without top-k / top-p, so that is all this engine scores; any other μ is refused
+        (INVALID_ARGUMENT) rather than answered with the raw one. vLLM's per-row alternative,
+        prompt_logprob_token_ids, needs the V2 model runner (v1/engine/input_processor.py)."""
+        import asyncio
+
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self._llm is None:
+            raise RuntimeError("VllmEngine.start() has not been called")
+        failure = self.failure()
+        if failure:
+            raise EngineDead(f"the vLLM engine is out of service ({failure}); restart the replica")
+        p = request.params
+        check_score_request(request, self.limits)
+        if p.temperature != 1.0 or p.top_k not in (0, -1) or p.top_p != 1.0:
+            raise ValueError(
+                f"temperature = {p.temperature:g}, top_k = {p.top_k}, top_p = {p.top_p:g}: the vLLM engine "
+                "scores at temperature 1 without top_k / top_p only (its prompt logprobs are of the raw "
+                "distribution); score other temperatures on a torch replica"
+            )
+        k, first = p.logprobs_k, int(np.asarray(request.prompt_ids).size)
+        # Shim: vLLM refuses a prompt as long as its context for generation (v1/engine/input_processor.py
+        # _validate_model_input), and the scored sequence is the prompt here.
+        longest = first + max(int(np.asarray(c).size) for c in request.completions)
+        if longest >= self.limits.max_model_len:
+            raise ValueError(
+                f"completion_token_ids: a {longest}-token prompt + completion fills the context "
+                f"(max_model_len {self.limits.max_model_len}); vLLM scores at most max_model_len - 1 tokens"
+            )
+        params = SamplingParams(
+            max_tokens=1,
+            prompt_logprobs=k,
+            flat_logprobs=True,
+            detokenize=False,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+        async def one(i: int, completion: np.ndarray) -> tuple[np.ndarray, ...]:
+            seq = np.concatenate([np.asarray(request.prompt_ids), completion]).astype(np.int64).tolist()
+            final = None
+            async for out in self._llm.generate(
+                {"prompt_token_ids": seq}, params, f"{request.request_id}-{i}"
+            ):
+                final = out
+            return prompt_logprob_arrays(final.prompt_logprobs, first, int(completion.size), k)
+
+        # One version for every completion, without making updates (or other scores) wait: an update that
+        # lands meanwhile relabels the version, and the request is scored again, SCORE_ATTEMPTS in all.
+        for _ in range(SCORE_ATTEMPTS):
+            version = self._version
+            try:
+                rows = await asyncio.gather(*(one(i, c) for i, c in enumerate(request.completions)))
+            except EngineDeadError as e:
+                raise EngineDead(
+                    f"the vLLM engine is out of service ({self.failure() or e}); restart the replica"
+                ) from e
+            if self._version == version:
+                return ScoreOutput(*(list(a) for a in zip(*rows, strict=True)), policy_version=version)
+        raise RuntimeError(f"the weights changed during each of {SCORE_ATTEMPTS} attempts to score; retry")
 
     # ---- weights ----------------------------------------------------------------------------------
 

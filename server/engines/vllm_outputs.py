@@ -85,3 +85,27 @@ def finish_reason(reason: str | None) -> str | None:
     if reason is None or reason in ("stop", "length", "abort"):
         return reason
     raise RuntimeError(f"vLLM finished the request with {reason!r}")
+
+
+def prompt_logprob_arrays(logprobs: Any, first: int, n: int, k: int) -> tuple[np.ndarray, ...]:
+    """vLLM's flat prompt logprobs of prompt positions [first, first + n) -> (given [n], ranks [n],
+    topk_ids [n, K], topk_lp [n, K]), as `logprob_arrays` for sampled tokens.
+
+    Every prompt position but the first (None: nothing predicts it) holds exactly 1 + K entries, the
+    prompt token first with its rank (the count of logprobs >= its own), then the top K: prompt logprobs
+    are appended once per position with `append_fast`, never merged through a dict (v1/engine/logprobs.py
+    LogprobsProcessor._update_prompt_logprobs -> logprobs.py append_logprobs_for_next_position)."""
+    width = k + 1
+    if first < 1 or first + n > len(logprobs):
+        raise RuntimeError(
+            f"vLLM returned prompt logprobs for {len(logprobs)} positions, need [{first}, {first + n})"
+        )
+    a, b = logprobs.start_indices[first], logprobs.end_indices[first + n - 1]
+    if b - a != n * width:
+        raise RuntimeError(
+            f"vLLM returned {b - a} prompt logprob entries for {n} positions, expected {n * width}"
+        )
+    ids = np.asarray(logprobs.token_ids[a:b], np.int32).reshape(n, width)  # [n, 1 + K]
+    values = np.asarray(logprobs.logprobs[a:b], np.float32).reshape(n, width)  # [n, 1 + K]
+    ranks = np.asarray(logprobs.ranks[a:b:width], np.int32)  # [n]
+    return values[:, 0].copy(), ranks, np.ascontiguousarray(ids[:, 1:]), np.ascontiguousarray(values[:, 1:])

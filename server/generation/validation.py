@@ -99,14 +99,15 @@ def check_metadata(metadata: Mapping[str, str]) -> None:
 
 def rollout_stream(name: str, keys: StreamKeys) -> str:
     """The Redis stream a request's records go to: "" = the namespace's rollout stream; otherwise `name`
-    must be that stream or one below it (f"{keys.rollouts}:<suffix>", suffix [A-Za-z0-9_.-]{1,64}).
+    must be that stream or one below it (f"{keys.rollouts}:<suffix>", suffix [A-Za-z0-9_.-]{1,64}), or
+    a partition's finished stream (the reward stage's input: RolloutQueue(reward_stage=True)).
     Another run's streams, the prompt stream, the dead letters, the done set, a replica's heartbeat or
     any key outside maskroll's are refused: a request must not make a replica write anywhere else."""
     if not name:
         return keys.rollouts
     own = keys.rollouts
     shown = repr(name) if len(name) <= 80 else f"{name[:60]!r}... ({len(name)} characters)"
-    if name == own:
+    if name == own or name in (p.finished for p in keys.parts):  # finished: for the reward stage
         return name
     prefix = own + ":"
     if not (name.startswith(prefix) and _STREAM_SUFFIX.fullmatch(name[len(prefix) :])):

@@ -19,9 +19,10 @@ from maskroll.proto._generated import rollout_pb2_grpc as pb_grpc
 from maskroll.proto.records import LOGPROBS_MODE, ServerInfo, WeightsUpdate, WeightsUpdateResult
 from maskroll.proto.streams import StreamKeys
 
+from .. import activity
 from ..config import ServerConfig
 from ..engines.contract import Engine
-from ..generation import validation
+from ..generation import scoring, validation
 from ..generation.pipeline import Pipeline
 from ..metrics import Metrics
 from ..pull.publisher import RolloutPublisher
@@ -74,6 +75,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         # The training run of the weights served ("" = the starting weights, or a client without runs):
         # the version rule is per run (docs/records.md, "Runs"), and Generate's records carry it.
         self._run_id = ""
+        # The fingerprint of the starting weights (server/weights/fingerprint.py; app.py sets it) while
+        # they are served; "" once any update loaded other weights, or when unknown.
+        self.base_fingerprint = ""
         # Why this replica may not serve Generate yet (starting, joining its training run, an invalid
         # run record), or None; server/app.py sets it. Weight updates are taken meanwhile.
         self.not_ready: str | None = None
@@ -82,10 +86,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self._metrics.rpc_done(method, code, seconds)
 
-    # ---- Generate -------------------------------------------------------------------------------
-
-    @rpc_boundary("Generate")
-    async def Generate(self, request: pb.GenerateRequest, context):
+    def _check_serving(self) -> None:
+        """UNAVAILABLE (so clients go to another replica) while draining, not ready or with a dead engine."""
         if self._running.draining:
             raise Unavailable("the server is draining; send the request to another replica")
         if self.not_ready:
@@ -97,6 +99,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 f"this replica's engine is out of service ({failure}); send the request to another "
                 "replica (this one needs a restart)"
             )
+
+    # ---- Generate -------------------------------------------------------------------------------
+
+    @rpc_boundary("Generate")
+    async def Generate(self, request: pb.GenerateRequest, context):
+        self._check_serving()
         gen = self._pipeline.prepare(
             wire.prompt_from_pb(request),
             wire.options_from_pb(request.options),
@@ -131,6 +139,16 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             self._running.discard(gen)
             tracker.done()
 
+    # ---- Score ----------------------------------------------------------------------------------
+
+    @rpc_boundary("Score")
+    async def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
+        """Given completions scored without sampling (generation/scoring.py); refused like a Generate
+        while draining, not ready or with a dead engine."""
+        self._check_serving()
+        result = await scoring.score(self._engine, wire.score_from_pb(request), self._caps)
+        return wire.score_result_to_pb(result)
+
     # ---- UpdateWeights --------------------------------------------------------------------------
 
     @rpc_boundary("UpdateWeights")
@@ -146,6 +164,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     await weight_sources.join_collective(self._engine, source)
                     joined = WeightsUpdateResult(self._engine.policy_version, 0.0, paused_requests=0)
                     return wire.update_result_to_pb(joined)
+            elif update.adopt_fingerprint is not None:
+                return wire.update_result_to_pb(await self._adopt(update))
             elif update.checkpoint_dir is None:
                 raise InvalidArgument("source is not set; give checkpoint.path")
             else:
@@ -155,6 +175,32 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             _log_refused(update, exc)
             raise
         return wire.update_result_to_pb(await self._run_update(update, source))
+
+    async def _adopt(self, update: WeightsUpdate) -> WeightsUpdateResult:
+        """AdoptSource: the starting weights, unchanged, become version 0 of `update.run_id` — only when
+        they are what the trainer's model holds (equal fingerprints). No bytes move, nothing is paused."""
+        async with self._weights_lock:
+            mine, theirs = self.base_fingerprint, update.adopt_fingerprint
+            if update.version != 0 or not update.run_id:
+                raise InvalidArgument(
+                    "adopt takes version 0 of a run (a run_id): a new run's starting weights"
+                )
+            if self._run_id == update.run_id and self._engine.policy_version == 0:
+                return WeightsUpdateResult(0, 0.0, paused_requests=0)  # adopted already: a retry
+            if self._run_id or not mine:
+                held = f"version {self._engine.policy_version} of run {self._run_id}" if self._run_id else ""
+                raise FailedPrecondition(
+                    f"cannot adopt: this replica serves {held or 'weights of unknown fingerprint'}, not "
+                    "its starting weights; push the model instead"
+                )
+            if mine != theirs:
+                raise FailedPrecondition(
+                    f"cannot adopt: this replica's starting weights have fingerprint {mine}, the trainer's "
+                    f"model {_cut(theirs or '')!r}: they are other weights; push the model instead"
+                )
+            self._run_id = update.run_id
+        log.info("weights: starting weights (%s) adopted as version 0 of run %s", mine, update.run_id)
+        return WeightsUpdateResult(0, 0.0, paused_requests=0)
 
     @rpc_boundary("PushWeights")
     async def PushWeights(self, request_iterator, context) -> pb.UpdateWeightsResponse:
@@ -240,6 +286,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 self._check_version(update)  # again: another update may have won the lock meanwhile
                 paused, seconds = await weight_sources.load(self._engine, version, source)
                 self._run_id = update.run_id
+                self.base_fingerprint = ""  # other weights now, even if the load was of the same bytes
         except ServiceError as exc:
             _log_refused(update, exc, source)
             raise
@@ -269,6 +316,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     def info(self) -> ServerInfo:
         e, c = self._engine, self._caps
+        load = activity.snapshot(self._metrics)
         return ServerInfo(
             model=e.model_id,
             engine=e.name,
@@ -284,6 +332,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             replica_id=self._config.replica_id,
             max_message_bytes=self._config.max_message_bytes,
             run_id=self._run_id,
+            weights_fingerprint="" if self._run_id else self.base_fingerprint,
+            in_flight=int(load.in_flight),
+            jobs_running=int(load.jobs_running),
+            generated_tokens=int(load.tokens),
+            published_records=int(load.published),
             **vars(e.settings),  # EngineSettings and ServerInfo name the engine's settings alike
         )
 

@@ -433,6 +433,14 @@ class OpenAIServing:
             replica_id=self.config.replica_id,
             now=time.time(),
         )
+        if stream is not None and not rec.run_id:
+            raise FailedPrecondition(
+                f"session {session_id!r} was sampled from weights of no training run: this replica serves "
+                "its starting weights and no trainer has started a run on them yet, so every trainer would "
+                "refuse (dead-letter) the record; it was not published. Start the trainer first "
+                "(RolloutQueue(run='new') and publisher.start(model): replicas holding the model adopt the "
+                "run's version 0, the others load it), then run the episode again (DELETE this session)"
+            )
         s.busy = "finish"  # no call may start while the record is published
         try:
             if stream is not None:

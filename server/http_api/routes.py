@@ -6,7 +6,8 @@
     GET    /v1/info                      GetInfo                       ┐ the JSON image of the proto: the
     POST   /v1/weights                   UpdateWeights                 │ gRPC servicer's own methods, with
     POST   /v1/generate                  Generate: chunks as NDJSON,   │ protobuf's JSON mapping (arrays are
-                                         or SSE (Accept: text/event-stream)  ┘ base64 of the packed bytes)
+                                         or SSE (Accept: text/event-stream)  │ base64 of the packed bytes)
+    POST   /v1/score                     Score: one JSON response      ┘
     GET    /v1/models                    the served model
     POST   /v1/completions               OpenAI completions, streaming (SSE) or not
     POST   /v1/chat/completions          OpenAI chat completions, streaming (SSE) or not
@@ -416,6 +417,14 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
                 yield oa.sse(to_json(chunk)) if sse else oa.dumps(to_json(chunk)) + "\n"
 
         return stream("http:Generate", await started(events()), SSE if sse else NDJSON, sse, NATIVE_FIELDS)
+
+    @app.post("/v1/score")
+    @boundary("http:Score", {n: n for n in pb.ScoreRequest.DESCRIPTOR.fields_by_name})
+    async def score(request: Request) -> Response:
+        serving.check_serving()
+        req = parse(await read_json(request), pb.ScoreRequest())
+        scored = await unless_disconnected(request, front.servicer.Score(req, _Context()))
+        return JSONResponse(to_json(scored))
 
     # ---- OpenAI-compatible API -------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ KUSTOMIZATIONS = {
     "cpu": K8S / "overlays" / "cpu",
     "gpu": K8S / "overlays" / "gpu",
     "trainer": K8S / "trainer",
+    "reward": K8S / "reward",
     "tools": K8S / "tools",
     "tls-ca": K8S / "tls-ca",
 }

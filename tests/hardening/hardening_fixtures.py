@@ -72,6 +72,17 @@ class Serve:
     def stop(self) -> int:
         return self.replica.stop(timeout=30)
 
+    def adopt_run(self, run_id: str = "probe-run") -> None:
+        """Serve version 0 of `run_id` on the starting weights (AdoptSource, as a trainer's
+        publisher.start does), so that the records this replica publishes belong to a run."""
+
+        async def go() -> None:
+            async with RolloutClient(self.address) as c:
+                info = await c.info()
+                await c.adopt_weights(info.weights_fingerprint, run_id=run_id)
+
+        asyncio.run(go())
+
 
 def request(prompt=PROMPT, **options) -> pb.GenerateRequest:
     """A raw GenerateRequest; fields other than options go through `extra` of raw_generate."""

@@ -54,6 +54,7 @@ def probe(model_dir, weights_root, redis_server, tmp_path_factory):
         "--rollout-stream-max-len", str(MAX_STREAM), "--publish-wait-s", "1",
         env={"MASKROLL_REDIS_URL": redis_server.url},
     )  # fmt: skip
+    s.adopt_run()  # its session records belong to a run (a finish on a replica serving none is refused)
     yield s
     code = s.stop()
     assert code == 0, f"the probe replica exited with {code}; log:\n{s.log_text()[-3000:]}"

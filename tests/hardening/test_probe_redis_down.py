@@ -26,6 +26,7 @@ def down_redis():
 def down_replica(model_dir, down_redis, tmp_path_factory):
     log = tmp_path_factory.mktemp("down") / "serve.log"
     s = HttpServe(model_dir, log, "--namespace", NS, env={"MASKROLL_REDIS_URL": down_redis.url})
+    s.adopt_run()  # its session records belong to a run
     yield s
     assert s.stop() == 0
     assert "Traceback" not in s.log_text(), s.log_text()[-5000:]

@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
-from grpc_fixtures import ServerLoop, replica, server_config, start_torch_engine
+from grpc_fixtures import ServerLoop, adopt_run, replica, server_config, start_torch_engine
 from http_fixtures import NAMESPACE, TOKEN, Served
 
 from maskroll.local.redis_server import LocalRedis
@@ -61,4 +61,5 @@ def served(http_loop, http_engine, tiny_model_dir, redis_server) -> Iterator[Ser
         namespace=NAMESPACE,
     )
     with replica(http_loop, config, http_engine) as r:
+        adopt_run(http_loop, r, token=TOKEN)  # session records belong to a run (else finish refuses them)
         yield Served(r, f"http://127.0.0.1:{r.http.port}", r.address, redis_server.url)

@@ -302,3 +302,14 @@ def test_metrics_are_served_on_the_http_port_with_the_token(served):
     import httpx
 
     assert httpx.get(served.base_url + "/metrics").status_code == 401  # no token, no metrics
+
+
+def test_info_reports_the_replicas_load(served):
+    """/v1/info (GetInfo) carries the load the metrics count: running now, and counters since start."""
+    with served.http() as c:
+        before = c.get("/v1/info").json()
+        r = c.post("/v1/completions", json={**BASE, "max_tokens": 5, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        after = c.get("/v1/info").json()
+    assert int(after["generated_tokens"]) - int(before.get("generated_tokens", 0)) == 5
+    assert after.get("in_flight", 0) == 0  # nothing running between the calls

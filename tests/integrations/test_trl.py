@@ -149,6 +149,61 @@ def test_trl_training_run_through_the_queue(cluster, tmp_path):
     assert trainer.rollout_counts["acked"] == trainer.rollout_counts["received"] == 3 * 8
 
 
+@pytest.mark.slow
+def test_trl_with_rewards_scored_by_the_reward_stage(cluster, tmp_path):
+    """rewards_from_records: jobs go through a real `maskroll reward` process; TRL's own reward function
+    still runs, and the records' reward is one more (`record_reward`): the stage's value for exactly the
+    rows trained on (the row's column travelled as job metadata)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).resolve().parent
+    command = [sys.executable, "-m", "maskroll.app.cli", "reward", "--redis-url", cluster.redis_url]
+    command += ["--namespace", cluster.namespace, "--reward", "trl_stage_rewards:row_reward"]
+    stage = subprocess.Popen(
+        [*command, "--tokenizer", str(cluster.model_dir), "--log-every-s", "1"],
+        env={**os.environ, "PYTHONPATH": f"{here}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "reward.log", "w"),  # noqa: SIM115 (closed with the process)
+    )
+    try:
+        reward = DigitReward()
+        cfg = MaskrollConfig(
+            redis_url=cluster.redis_url,
+            namespace=cluster.namespace,
+            run="new",
+            weights_root=cluster.weights_root,
+            mask=MaskConfig(method="predictive", divergence="topk_kl"),
+            logprobs_k=cluster.logprobs_k,
+            max_staleness=1,
+            min_replicas=2,
+            rewards_from_records=True,
+        )
+        model = AutoModelForCausalLM.from_pretrained(cluster.model_dir, dtype=torch.float32)
+        trainer = MaskrollGRPOTrainer(
+            model,
+            reward_funcs=reward,
+            args=_args(tmp_path),
+            train_dataset=_dataset(),
+            processing_class=_tokenizer(cluster.model_dir),
+            maskroll=cfg,
+        )
+        trainer.train()
+    finally:
+        stage.terminate()
+        assert stage.wait(timeout=30) == 0, (tmp_path / "reward.log").read_text()[-3000:]
+    assert len(reward.calls) == 3  # TRL's own reward function keeps working
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3
+    for h, call in zip(logs, reward.calls, strict=True):
+        want = float(np.mean([row / 100 for row in call["row"]]))
+        assert h["rewards/record_reward/mean"] == pytest.approx(want, abs=1e-6), (h, call["row"])
+        assert math.isfinite(h["rewards/digits/mean"])
+    assert trainer.rollout_counts["acked"] == 3 * 8
+
+
 def _records(cluster, trainer, n_prompts: int = 2):
     """Fresh records of two dataset prompts from a replica, with their dataset rows (trainer's jobs)."""
     rows = [row for row in _dataset(n_prompts) for _ in range(G)]
@@ -397,3 +452,40 @@ def test_queue_source_completes_a_batch_when_fewer_jobs_than_a_batch_are_in_flig
     finally:
         source.close()
         raw.close()
+
+
+def test_a_rollout_correction_chosen_in_the_mask_config_is_the_trl_loss_too():
+    """MaskrollConfig.mask's correction (here sequence-level masked IS) reaches TRL's loss: the same loss
+    and metrics as `policy_loss` with that config."""
+    from maskroll.trainer_adapter import compute_masks_for, policy_loss
+
+    g = torch.Generator().manual_seed(1)
+    b, t, v = 3, 6, 9
+    logits = torch.randn(b, t, v, generator=g, dtype=torch.float64)
+    mu = (logits + 0.7 * torch.randn(b, t, v, generator=g, dtype=torch.float64)).log_softmax(-1)
+    ids = torch.multinomial(mu.exp().reshape(-1, v), 1, generator=g).reshape(b, t)
+    topk_lp, topk_ids = mu.topk(3, dim=-1)
+    batch = dict(
+        completion_ids=ids,
+        response_mask=torch.ones(b, t, dtype=torch.bool),
+        sampled_logprobs=mu.gather(-1, ids[..., None])[..., 0],
+        topk_ids=topk_ids,
+        topk_logprobs=topk_lp,
+        temperature=torch.ones(b, dtype=torch.float64),
+        advantages=torch.tensor([1.0, -0.5, 0.8], dtype=torch.float64),
+    )
+    cfg = MaskConfig(method="ppo", correction="seq_mis", correction_low=0.5, correction_high=2.0)
+    loss, metrics, _ = maskroll_loss(
+        logits, batch, mask=cfg, is_cap=10.0, aggregation="token_mean", max_len=t
+    )
+    lp = token_logprobs(logits, ids)
+    res = compute_masks_for(batch, logits, config=cfg)
+    want, want_m = policy_loss(
+        lp, batch["sampled_logprobs"], batch["advantages"], res.keep, masks=res, config=cfg
+    )
+    plain, _, _ = maskroll_loss(
+        logits, batch, mask=MaskConfig(method="ppo"), is_cap=10.0, aggregation="token_mean", max_len=t
+    )
+    torch.testing.assert_close(loss, want)
+    assert float(metrics["correction_mask_frac"]) == float(want_m["correction_mask_frac"]) > 0
+    assert float(loss) != float(plain)  # the correction dropped sequences the plain loss keeps

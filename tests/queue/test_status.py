@@ -124,3 +124,39 @@ def test_status_with_partitions_counts_each_partition(redis_server, namespace):
         await r.aclose()
 
     asyncio.run(main())
+
+
+def test_requeue_puts_a_dead_lettered_job_back_and_its_rollouts_arrive(redis_server, namespace):
+    """A prompt job that died for a passing reason (a replica's engine, say) is requeued by
+    `maskroll dead-letters --requeue`: a replica takes it again and the trainer gets its records."""
+    from maskroll.proto.streams import REPLICA_GROUP, dead_letter, ensure_group
+
+    url = redis_server.url
+
+    async def main():
+        r = connect(url)
+        keys = StreamKeys(namespace)
+        async with AsyncRolloutQueue(url, namespace, batch_size=2, run="new") as q:
+            await q.submit([1, 2], OPTS, n=2)
+            await ensure_group(r, keys.prompts, REPLICA_GROUP)
+            ((_, entries),) = await r.xreadgroup(REPLICA_GROUP, "dying-replica", {keys.prompts: ">"})
+            entry_id, fields = entries[0]
+            await dead_letter(r, keys, keys.prompts, REPLICA_GROUP, entry_id, fields, "engine died")
+            assert (await namespace_status(r, keys))["prompts"]["length"] == 0
+
+            listed = _cli("dead-letters", "--redis-url", url, "--namespace", namespace, "--reason", "engine")
+            assert [d["reason"] for d in listed["dead_letters"]] == ["engine died"]
+            kept = _cli("dead-letters", "--redis-url", url, "--namespace", namespace, "--reason", "other")
+            assert kept["dead_letters"] == [] and kept["requeued"] == {}
+            done = _cli("dead-letters", "--redis-url", url, "--namespace", namespace, "--requeue")
+            assert list(done["requeued"].values()) == ["requeued"]
+            st = await namespace_status(r, keys)
+            assert st["dead_letters"]["total"] == 0 and st["prompts"]["length"] == 1
+            async with scripted_replica(url, namespace, "rep-b"):
+                batch = await q.next_batch(timeout=20)
+            assert sorted(rec.sample_index for rec in batch) == [0, 1]
+            assert {rec.run_id for rec in batch} == {q.run_id}
+            await q.ack(batch)
+        await r.aclose()
+
+    asyncio.run(main())

@@ -59,6 +59,20 @@ def replica(loop: ServerLoop, config: ServerConfig, engine: Engine) -> Iterator[
         loop.run(r.drain(timeout_s=0))
 
 
+def adopt_run(loop: ServerLoop, r: Replica, run_id: str = "test-run", token: str | None = None) -> None:
+    """Make `r` serve version 0 of run `run_id` on its starting weights (AdoptSource, as a trainer's
+    publisher.start does): records it publishes then belong to a run, as every trainer requires."""
+    from maskroll.client import RolloutClient
+
+    async def go() -> None:
+        async with RolloutClient(r.address, token=token) as c:
+            info = await c.info()
+            if not info.run_id:
+                await c.adopt_weights(info.weights_fingerprint, run_id=run_id)
+
+    loop.run(go())
+
+
 def start_torch_engine(loop: ServerLoop, model_dir: Path, **kwargs) -> Engine:
     from maskroll.server.engines.torch_engine import TorchEngine
 

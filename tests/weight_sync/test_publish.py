@@ -1,7 +1,8 @@
 """Trainer-side weight publishing: the checkpoint layout a replica accepts, and the publisher's rules
 (every replica or an error naming the ones behind, old versions pruned, nothing half-written, versions
-counted from the run, a resumed run loaded back, a new run's starting weights published only when a
-replica serves other weights). The same publisher against real replicas: tests/queue/test_run_lifecycle.py."""
+counted from the run, a resumed run loaded back, a new run's version 0 recorded and adopted by the
+replicas whose starting weights are the trainer's model). The same publisher against real replicas:
+tests/queue/test_run_lifecycle.py."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from maskroll.weight_sync import (
     load_checkpoint,
     save_checkpoint,
 )
+from maskroll.weight_sync.fingerprint import model_fingerprint
 
 
 class Replicas:
@@ -124,6 +126,13 @@ class RunQueue(Replicas):
     def replica_weights(self, timeout: float = 10.0) -> dict:
         return dict(self.serving)
 
+    def adopt_replicas(self, fingerprint: str, timeout: float = 10.0) -> dict:
+        """As the replicas answer AdoptSource: those on starting weights of this fingerprint take it."""
+        took = {r: "ok" for r, w in self.serving.items() if not w.run_id and w.fingerprint == fingerprint}
+        for r in took:
+            self.serving[r] = ReplicaWeights(self.run.run_id, 0)
+        return took
+
     def broadcast_weights(self, version, checkpoint_dir, timeout=120.0):
         self.run = RunInfo(self.run.run_id, version, checkpoint_dir)
         return super().broadcast_weights(version, checkpoint_dir, timeout)
@@ -133,15 +142,22 @@ class RunQueue(Replicas):
         return {r: "unchanged" for r in self.serving}
 
 
-def test_start_publishes_a_new_runs_weights_only_when_a_replica_serves_others(tmp_path):
-    fresh = {"a": ReplicaWeights("", 0), "b": ReplicaWeights("run-b", 0)}
-    q = RunQueue(RunInfo("run-b"), fresh)
-    assert CheckpointPublisher(q, tmp_path).start(_model()) == 0
-    assert q.calls == []  # starting weights everywhere: nothing to load
-    q = RunQueue(RunInfo("run-b"), {**fresh, "c": ReplicaWeights("run-a", 4)})
+def test_start_records_a_new_runs_version_0_and_replicas_holding_the_model_adopt_it(tmp_path):
+    m = _model()
+    mine = model_fingerprint(m)
+    serving = {
+        "a": ReplicaWeights("", 0, mine),  # started from the trainer's model
+        "b": ReplicaWeights("", 0, model_fingerprint(torch.nn.Linear(3, 4))),  # another --model
+        "c": ReplicaWeights("run-a", 4),  # another run's weights
+    }
+    q = RunQueue(RunInfo("run-b"), serving)
     pub = CheckpointPublisher(q, tmp_path)
-    assert pub.start(_model()) == 0
-    assert q.calls == [(0, str(tmp_path / "v0"), 120.0)]  # "c" serves run-a's version 4
+    assert pub.start(m) == 0
+    assert q.serving["a"] == ReplicaWeights("run-b", 0)  # adopted: no load
+    assert q.serving["b"].run_id == ""  # a fingerprint that differs is never adopted...
+    # ...it (and "c") load version 0, which is saved and recorded for replicas that join later
+    assert q.calls == [(0, str(tmp_path / "v0"), 120.0)] and q.run.checkpoint == str(tmp_path / "v0")
+    assert torch.equal(load_file(str(tmp_path / "v0" / CHECKPOINT_FILE))["0.weight"], m[0].weight)
     assert pub.publish(_model()) and q.calls[-1][0] == 1
 
 

@@ -133,3 +133,42 @@ def test_a_malformed_raw_chunk_is_refused_with_what_is_wrong():
         wire.push_chunk_from_pb(manifest)
     with pytest.raises(ValueError, match="must start with its manifest, got a data chunk first"):
         wire.manifest_from_pb(raw)
+
+
+def test_concurrent_pushes_into_the_spool_reserve_its_disk(tmp_path):
+    """Item 5 of the hardening issue on the spool (vLLM's path): two pushes that each fit the spool's free
+    disk but not together are not both accepted — the second is refused before it receives a byte — and
+    the reservation ends with the first push."""
+    import shutil
+
+    from maskroll.proto.tensor_push import TensorSpec, WeightsManifest
+    from maskroll.server.grpc_api.errors import FailedPrecondition
+
+    n = int(shutil.disk_usage(tmp_path).free * 0.6) // 4
+    spec = TensorSpec(name="w", dtype="F32", shape=(n,), nbytes=4 * n, crc32=0)
+    manifest = WeightsManifest(version=1, tensors=(spec,))
+    receiving = asyncio.Event()
+
+    async def stalled():  # the first push: being received, its bytes still to come
+        receiving.set()
+        await asyncio.sleep(60)
+        yield None
+
+    async def nothing():
+        return
+        yield
+
+    async def main():
+        first = asyncio.ensure_future(weight_stream.receive(manifest, stalled(), tmp_path))
+        await receiving.wait()
+        with pytest.raises(FailedPrecondition, match="reserved by pushes being received now"):
+            await weight_stream.receive(manifest, nothing(), tmp_path)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        # the first push is gone with its reservation: the same manifest is taken (and ends early)
+        with pytest.raises(InvalidArgument, match="ended early"):
+            await weight_stream.receive(manifest, nothing(), tmp_path)
+
+    asyncio.run(main())
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,48 @@
+"""The weights fingerprint of a replica's starting weights: its `--model` directory's safetensors
+(proto/fingerprint.py says what it is and why). Read by rows, so a large model costs a few pages per
+tensor, not the file; "" when the directory has no safetensors (nothing to compare: trainers push)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from maskroll.proto.fingerprint import sample_indices, weights_fingerprint
+
+log = logging.getLogger("maskroll.weights")
+
+
+def fingerprint_dir(model_dir: str | Path) -> str:
+    import torch
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    items = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                part = f.get_slice(name)
+                shape = tuple(part.get_shape())
+                if part.get_dtype() not in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"):
+                    continue
+                numel = int(np.prod(shape, dtype=np.int64))
+                idx = sample_indices(numel)
+                if len(shape) == 0:
+                    values = f.get_tensor(name).reshape(-1)
+                else:
+                    inner = numel // shape[0] if shape[0] else 0
+                    rows: dict[int, torch.Tensor] = {}
+                    picked = []
+                    for i in idx.tolist():
+                        r = i // inner
+                        if r not in rows:
+                            rows[r] = part[r : r + 1].reshape(-1)
+                        picked.append(rows[r][i - r * inner])
+                    values = torch.stack(picked) if picked else torch.zeros(0)
+                items.append((name, shape, values.to(torch.float32).numpy()))
+    fingerprint = weights_fingerprint(items)
+    if files:
+        log.info("weights: starting weights %s (fingerprint %s)", model_dir, fingerprint)
+    return fingerprint
