@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import numpy as np
@@ -121,15 +122,18 @@ def test_readme_agent_path_delivers_the_episode_to_the_trainer(
         assert np.abs(mine - theirs).max() < 1e-3
         q.ack(batch)
         assert q.stats.dead_lettered == 0
-        # `maskroll status` shows it as a replica of this run that pulls no jobs
+        # `maskroll status` shows it as a replica of this run that pulls no jobs (once its next heartbeat,
+        # every 5 s by default, has said so)
         cli = [sys.executable, "-m", "maskroll.app.cli", "status", "--redis-url", redis_server.url]
-        out = subprocess.run(
-            [*cli, "--namespace", NAMESPACE, "--json"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        (rep,) = json.loads(out.stdout)["replicas"]
+        deadline = time.monotonic() + 20
+        while True:
+            out = subprocess.run(
+                [*cli, "--namespace", NAMESPACE, "--json"], capture_output=True, text=True, timeout=60
+            )
+            (rep,) = json.loads(out.stdout)["replicas"]
+            if rep["run_id"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert (rep["run_id"], rep["pulls"], rep["policy_version"]) == (q.run_id, False, 0)
 
 
