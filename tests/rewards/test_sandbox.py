@@ -43,8 +43,24 @@ def _pids_with(marker: str) -> list[int]:
     return found
 
 
+_EARLIER: set[int] = set()  # children this process had before the test (other suites' session fixtures)
+
+
+@pytest.fixture(autouse=True)
+def _earlier_children():
+    """In a full test session the pytest process already has children (the Redis, replicas and engines of
+    other folders' session fixtures): only children that appear during a test can be the sandbox's."""
+    _EARLIER.clear()
+    _EARLIER.update(_all_children())
+    yield
+
+
 def _our_children() -> list[int]:
-    """Live processes whose parent is this test process (bwrap monitors we may have leaked)."""
+    """Live children of this test process started during the test (bwrap monitors we may have leaked)."""
+    return [pid for pid in _all_children() if pid not in _EARLIER]
+
+
+def _all_children() -> list[int]:
     children = []
     for entry in pathlib.Path("/proc").iterdir():
         if not entry.name.isdigit():
