@@ -20,9 +20,11 @@ FLAGS = (
     "teacher_k",
     "teacher_temperature",
     "token",
+    "tls_ca",
     "reward",
     "workers",
     "concurrency",
+    "group_wait_s",
     "tokenizer",
     "timeout_s",
     "retry_s",
@@ -47,6 +49,9 @@ def main(argv: list[str]) -> int:
     cfg = parse(argv)
     if cfg.tokenizer is not None and not cfg.tokenizer.is_dir():
         print(f"maskroll teacher: --tokenizer {cfg.tokenizer} is not a directory")
+        return 2
+    if cfg.tls_ca is not None and not cfg.tls_ca.is_file():
+        print(f"maskroll teacher: --tls-ca {cfg.tls_ca} is not a file")
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if cfg.reward:

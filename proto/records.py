@@ -376,6 +376,7 @@ class ServerInfo:
     jobs_running: int = 0
     generated_tokens: int = 0
     published_records: int = 0
+    tokenizer_fingerprint: str = ""  # of --model's tokenizer (proto/tokenizer_fingerprint.py); "" = none
 
 
 @dataclass(frozen=True)

@@ -186,6 +186,7 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
         servicer = RolloutServicer(engine, config, metrics, publisher)
         servicer.not_ready = STARTING
         servicer.base_fingerprint = await _starting_fingerprint(config, engine)
+        servicer.tokenizer_fingerprint = await _tokenizer_fingerprint(config)
         health = health_aio.HealthServicer()
         for service in ("", SERVICE_NAME):
             await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -247,6 +248,28 @@ async def _starting_fingerprint(config: ServerConfig, engine: Engine) -> str:
         return await asyncio.to_thread(fingerprint_dir, config.model)
     except Exception as exc:  # unreadable safetensors: the engine loaded them, so say it, don't fail
         log.warning("weights: no fingerprint of %s (%s: %s)", config.model, type(exc).__name__, exc)
+        return ""
+
+
+async def _tokenizer_fingerprint(config: ServerConfig) -> str:
+    """The fingerprint of --model's tokenizer (proto/tokenizer_fingerprint.py; GetInfo reports it, a teacher
+    stage compares it with the student's), "" when --model holds none the replica can read."""
+    from maskroll.proto.tokenizer_fingerprint import fingerprint_tokenizer_json, vocab_fingerprint
+
+    def compute() -> str:
+        found = fingerprint_tokenizer_json(config.model)
+        if found is None and (config.model / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer  # a tokenizer without a tokenizer.json: the same map
+
+            found = vocab_fingerprint(AutoTokenizer.from_pretrained(str(config.model)).get_vocab())
+        return found or ""
+
+    if not config.model.is_dir():
+        return ""
+    try:
+        return await asyncio.to_thread(compute)
+    except Exception as exc:  # the engine loaded the model: a tokenizer we cannot hash is a warning
+        log.warning("no tokenizer fingerprint of %s (%s: %s)", config.model, type(exc).__name__, exc)
         return ""
 
 

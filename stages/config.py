@@ -127,11 +127,16 @@ class TeacherStageConfig:
     teacher_k: K_teacher, the teacher's top-K entries per token attached to each record
     teacher_temperature: the temperature of μ_teacher (softmax(ℓ_teacher / T), no top-k / top-p); vLLM
         teachers score only 1
-    token: bearer token of the teacher replicas, if they require one
+    token: bearer token of the teacher and student replicas, if they require one; default
+        $MASKROLL_AUTH_TOKEN (the environment keeps it off the command line)
+    tls_ca: CA certificate (PEM) that the teacher and student replicas' TLS certificates are checked
+        against; unset: plaintext gRPC
     reward: also score each record with this reward function first, MODULE:FUNCTION (as `maskroll reward`
         --reward: one worker runs both stages); empty: the teacher only
     workers: worker processes (each one a consumer of the stage's group; scale further with more pods)
     concurrency: records each worker has scored at once
+    group_wait_s: how long a record waits for the other records of its GRPO group (same prompt) so that
+        they are scored in one Score call; a group sends as soon as it is whole. 0: one call per record
     tokenizer: the student's tokenizer directory: decodes records for --reward and is compared with the
         teacher's at start-up; default: the student replicas' model directory when it is local
     timeout_s: seconds one Score call (or one reward call) may take
@@ -156,10 +161,12 @@ class TeacherStageConfig:
     teacher: str = ""
     teacher_k: int = 20
     teacher_temperature: float = 1.0
-    token: str | None = None
+    token: str | None = field(default_factory=lambda: os.environ.get("MASKROLL_AUTH_TOKEN") or None)
+    tls_ca: Path | None = None
     reward: str = ""
     workers: int = 1
     concurrency: int = 8
+    group_wait_s: float = 0.05
     tokenizer: Path | None = None
     timeout_s: float = 60.0
     retry_s: float = 60.0
@@ -189,5 +196,7 @@ class TeacherStageConfig:
         if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
             raise ValueError(f"teacher_temperature={t!r}; expected a finite number > 0")
         _check_limits(
-            self, ints=(("teacher_k", 1, 4096),), floats=(("retry_s", 0.0), ("student_wait_s", 0.0))
+            self,
+            ints=(("teacher_k", 1, 4096),),
+            floats=(("retry_s", 0.0), ("student_wait_s", 0.0), ("group_wait_s", 0.0)),
         )

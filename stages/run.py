@@ -55,16 +55,28 @@ async def make_teacher_worker(redis, keys, cfg: TeacherStageConfig, worker_id: s
     from maskroll.proto.scoring import ScoreOptions
 
     from .teacher import TeacherPool, TeacherStep, check_vocabulary
+    from .teacher_batch import GroupBatcher
     from .worker import StageWorker
 
-    pool = TeacherPool(cfg.teachers, token=cfg.token, timeout_s=cfg.timeout_s, retry_s=cfg.retry_s)
+    root_certs = cfg.tls_ca.read_bytes() if cfg.tls_ca is not None else None
+    pool = TeacherPool(
+        cfg.teachers, token=cfg.token, timeout_s=cfg.timeout_s, retry_s=cfg.retry_s, root_certs=root_certs
+    )
     try:
-        await check_vocabulary(pool, redis, keys, cfg)
+        _, teachers = await check_vocabulary(pool, redis, keys, cfg)
     except BaseException:
         await pool.close()
         raise
     options = ScoreOptions(logprobs_k=cfg.teacher_k, temperature=cfg.teacher_temperature)
-    step = TeacherStep(pool, options, reward_step(cfg) if cfg.reward else None)
+    batcher = None
+    if cfg.group_wait_s > 0:  # a batch goes to any teacher: at most the smallest max_n completions per call
+        batcher = GroupBatcher(
+            lambda prompt, completions: pool.score_many(prompt, completions, options),
+            wait_s=cfg.group_wait_s,
+            max_batch=max(1, min(t.max_n for t in teachers)),
+            capacity=cfg.concurrency,
+        )
+    step = TeacherStep(pool, options, reward_step(cfg) if cfg.reward else None, batcher)
     worker_id = worker_id or cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     return StageWorker(redis, keys, step, cfg, worker_id)
 

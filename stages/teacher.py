@@ -9,9 +9,12 @@ dead letters, heartbeats — exactly as for the reward stage.
   (TeachersUnavailable: never a dead letter — an outage is not the record's fault).
 - A teacher that refuses the record's tokens (INVALID_ARGUMENT: an id outside its vocabulary, too long
   for its context) gives a TeacherError: the record is dead-lettered with the teacher's words.
+- The records of one GRPO group go to the teacher in one Score call when the worker holds them together
+  (teacher_batch.GroupBatcher, `--group-wait-s`); what happens to each record stays per record.
 - At start-up, `check_vocabulary` refuses teachers whose vocabulary is not the student's (compared: the
-  GetInfo vocab_size of every teacher and of one live student replica; and, where both tokenizers are
-  local directories, `tokenizer_fingerprint`, the SHA-256 of the id → token map).
+  GetInfo vocab_size of every teacher and of one live student replica, then their tokenizer fingerprints,
+  proto/tokenizer_fingerprint.py: the SHA-256 of the id → token map, reported in GetInfo by each replica
+  and computed here from `--tokenizer` when one is given — no tokenizer file of a teacher is needed).
 
 Knows nothing of Redis streams (worker.py) or of how the trainer uses the teacher's numbers.
 """
@@ -19,19 +22,22 @@ Knows nothing of Redis streams (worker.py) or of how the trainer uses the teache
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from maskroll.client.rollout_client import RolloutClient, RolloutError
 from maskroll.proto.records import RolloutRecord, ServerInfo
 from maskroll.proto.scoring import ScoreOptions, ScoreResult
+from maskroll.proto.tokenizer_fingerprint import fingerprint_tokenizer_json, vocab_fingerprint
 
 from .scoring import RewardStep, StageError
+
+if TYPE_CHECKING:
+    from .teacher_batch import GroupBatcher
 
 log = logging.getLogger("maskroll.teacher")
 
@@ -58,19 +64,32 @@ class TeacherPool:
     """Round robin over the teacher replicas, with failover to the next on a RETRYABLE status."""
 
     def __init__(
-        self, addresses: tuple[str, ...], *, token: str | None, timeout_s: float, retry_s: float
+        self,
+        addresses: tuple[str, ...],
+        *,
+        token: str | None,
+        timeout_s: float,
+        retry_s: float,
+        root_certs: bytes | None = None,
     ) -> None:
+        """root_certs: the CA (PEM) the replicas' TLS certificates are checked against; None: plaintext."""
         self.addresses = addresses
-        self.clients = [RolloutClient(a, token=token, timeout=timeout_s) for a in addresses]
-        self.timeout_s, self.retry_s = timeout_s, retry_s
+        self.clients = [
+            RolloutClient(a, token=token, root_certs=root_certs, timeout=timeout_s) for a in addresses
+        ]
+        self.timeout_s, self.retry_s, self.root_certs = timeout_s, retry_s, root_certs
         self._next = 0
 
     async def infos(self) -> list[ServerInfo]:
         return [await c.info(timeout=self.timeout_s) for c in self.clients]
 
     async def score(self, prompt_ids: np.ndarray, completion_ids: np.ndarray, options: ScoreOptions):
-        """(ScoreResult, the address that scored) of one completion; TeacherError when a teacher refuses
-        it, TeachersUnavailable when none answers within retry_s."""
+        """(ScoreResult, the address that scored) of one completion (`score_many`'s rules)."""
+        return await self.score_many(prompt_ids, [completion_ids], options)
+
+    async def score_many(self, prompt_ids: np.ndarray, completions: list[np.ndarray], options: ScoreOptions):
+        """(ScoreResult, the address that scored) of completions of one prompt, in one call; TeacherError
+        when a teacher refuses them, TeachersUnavailable when none answers within retry_s."""
         deadline = time.monotonic() + self.retry_s
         wait, last = 0.2, None
         while True:
@@ -78,7 +97,7 @@ class TeacherPool:
                 i = self._next
                 self._next = (i + 1) % len(self.clients)
                 try:
-                    result = await self.clients[i].score(prompt_ids, [completion_ids], options)
+                    result = await self.clients[i].score(prompt_ids, list(completions), options)
                     return result, self.addresses[i]
                 except RolloutError as e:
                     if e.code.name in REFUSED:
@@ -108,8 +127,16 @@ class TeacherStep:
     kind = "teacher"
     what = TeacherError.what
 
-    def __init__(self, pool: TeacherPool, options: ScoreOptions, reward: RewardStep | None = None) -> None:
-        self.pool, self.options, self.reward = pool, options, reward
+    def __init__(
+        self,
+        pool: TeacherPool,
+        options: ScoreOptions,
+        reward: RewardStep | None = None,
+        batcher: GroupBatcher | None = None,
+    ) -> None:
+        """batcher: scores a group's records in one call (its score_many must be this pool's at these
+        options); None: one Score call per record."""
+        self.pool, self.options, self.reward, self.batcher = pool, options, reward, batcher
         self.label = "teacher " + ",".join(pool.addresses) + (f" + {reward.label}" if reward else "")
         self.scored_by: dict[str, int] = {}  # address -> records it scored (round robin, for tests and logs)
 
@@ -125,6 +152,9 @@ class TeacherStep:
         if rec.num_tokens == 0:  # Score refuses an empty completion: one token, for the semantics only
             result, _ = await self.pool.score(rec.prompt_ids, np.zeros(1, np.int32), self.options)
             t = _empty_like(result)
+        elif self.batcher is not None:
+            t, result, address = await self.batcher.score(rec)
+            self.scored_by[address] = self.scored_by.get(address, 0) + 1
         else:
             result, address = await self.pool.score(rec.prompt_ids, rec.completion_ids, self.options)
             self.scored_by[address] = self.scored_by.get(address, 0) + 1
@@ -149,6 +179,8 @@ class TeacherStep:
             raise TeacherError("the teacher's scores are not valid: " + "; ".join(problems))
 
     def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
         if self.reward is not None:
             self.reward.close()
 
@@ -169,44 +201,34 @@ def _empty_like(result: ScoreResult):
 
 
 def tokenizer_fingerprint(directory: str | Path) -> str | None:
-    """SHA-256 of a tokenizer's id → token map (tokenizer.json: the model's vocab and the added tokens;
-    else a Hugging Face tokenizer's get_vocab()), or None when `directory` holds no tokenizer. Two
-    tokenizers with one fingerprint give every id the same token, so a teacher scores the ids the
-    student sampled as the same text (merges and normalisers, which only decide how text is split, are
-    left out)."""
+    """proto/tokenizer_fingerprint.py's fingerprint of a local tokenizer directory (tokenizer.json, else a
+    Hugging Face tokenizer's get_vocab(): the same map), or None when `directory` holds no tokenizer."""
     path = Path(directory)
-    if (path / "tokenizer.json").is_file():
-        spec = json.loads((path / "tokenizer.json").read_text())
-        vocab = spec.get("model", {}).get("vocab")
-        if isinstance(vocab, dict):
-            pairs = sorted((int(i), str(tok)) for tok, i in vocab.items())
-        elif isinstance(vocab, list):  # Unigram: [[token, score], ...] in id order
-            pairs = [(i, str(entry[0])) for i, entry in enumerate(vocab)]
-        else:
-            return None
-        pairs += sorted((int(a["id"]), str(a["content"])) for a in spec.get("added_tokens", []))
-    elif path.is_dir() and any(path.glob("tokenizer_config.json")):
+    if not path.is_dir():
+        return None
+    found = fingerprint_tokenizer_json(path)
+    if found is None and (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 
-        pairs = sorted(
-            (int(i), str(tok)) for tok, i in AutoTokenizer.from_pretrained(str(path)).get_vocab().items()
-        )
-    else:
-        return None
-    return "tok1:" + hashlib.sha256(json.dumps(pairs, ensure_ascii=False).encode()).hexdigest()[:32]
+        found = vocab_fingerprint(AutoTokenizer.from_pretrained(str(path)).get_vocab())
+    return found
 
 
 def vocabulary_problems(
     student: ServerInfo, teachers: dict[str, ServerInfo], student_tokenizer: str | Path | None = None
 ) -> tuple[list[str], list[str]]:
     """(why a teacher may not teach the student, what could not be compared). Compared: each teacher's
-    GetInfo vocab_size with the student's; and the tokenizers' fingerprints where both are local
-    directories (the student's: `student_tokenizer`, else its model; a teacher's: its model)."""
+    GetInfo vocab_size with the student's, then the tokenizer fingerprints — the student's of
+    `student_tokenizer` when given (the tokenizer the stage decodes with), else its replica's GetInfo
+    (else its model directory's, when local); a teacher's from its GetInfo (else its model directory's)."""
     problems, skipped = [], []
     where = student_tokenizer if student_tokenizer is not None else student.model
-    student_fp = tokenizer_fingerprint(where) if Path(where).is_dir() else None
+    if student_tokenizer is not None:
+        student_fp = tokenizer_fingerprint(student_tokenizer)
+    else:
+        student_fp = student.tokenizer_fingerprint or tokenizer_fingerprint(student.model)
     if student_fp is None:
-        skipped.append(f"the student's tokenizer ({where}) is not a local tokenizer directory")
+        skipped.append(f"the student's tokenizer ({where}) has no fingerprint: not in GetInfo, not local")
     for address, t in teachers.items():
         if t.vocab_size != student.vocab_size:
             problems.append(
@@ -214,9 +236,11 @@ def vocabulary_problems(
                 f"({student.model}) {student.vocab_size}"
             )
             continue
-        teacher_fp = tokenizer_fingerprint(t.model) if Path(t.model).is_dir() else None
+        teacher_fp = t.tokenizer_fingerprint or tokenizer_fingerprint(t.model)
         if teacher_fp is None:
-            skipped.append(f"teacher {address}'s tokenizer ({t.model}) is not a local tokenizer directory")
+            skipped.append(
+                f"teacher {address}'s tokenizer ({t.model}) has no fingerprint: not in GetInfo, not local"
+            )
         elif student_fp is not None and teacher_fp != student_fp:
             problems.append(
                 f"teacher {address} ({t.model}) has another tokenizer than the student ({where}): same "
@@ -225,7 +249,9 @@ def vocabulary_problems(
     return problems, skipped
 
 
-async def student_info(redis, keys, *, token: str | None, wait_s: float) -> ServerInfo:
+async def student_info(
+    redis, keys, *, token: str | None, wait_s: float, root_certs: bytes | None = None
+) -> ServerInfo:
     """GetInfo of a live student replica of the namespace (from its registry heartbeat), waiting up to
     `wait_s` for one to register."""
     from maskroll.proto.heartbeat import decode_heartbeat
@@ -236,7 +262,7 @@ async def student_info(redis, keys, *, token: str | None, wait_s: float) -> Serv
             raw = await redis.get(key)
             address = decode_heartbeat(raw).address if raw else ""
             if address:
-                async with RolloutClient(address, token=token, timeout=10.0) as c:
+                async with RolloutClient(address, token=token, root_certs=root_certs, timeout=10.0) as c:
                     try:
                         return await c.info()
                     except RolloutError as e:
@@ -256,7 +282,9 @@ async def student_info(redis, keys, *, token: str | None, wait_s: float) -> Serv
 async def check_vocabulary(pool: TeacherPool, redis, keys, cfg) -> tuple[ServerInfo, list[ServerInfo]]:
     """(the student's info, the teachers'): VocabularyMismatch naming every teacher that may not teach."""
     teachers = dict(zip(pool.addresses, await pool.infos(), strict=True))
-    student = await student_info(redis, keys, token=cfg.token, wait_s=cfg.student_wait_s)
+    student = await student_info(
+        redis, keys, token=cfg.token, wait_s=cfg.student_wait_s, root_certs=pool.root_certs
+    )
     problems, skipped = vocabulary_problems(student, teachers, cfg.tokenizer)
     for address, t in teachers.items():  # what every record would be refused for: say it once, here
         if cfg.teacher_k > t.max_logprobs_k:

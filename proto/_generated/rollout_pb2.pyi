@@ -304,7 +304,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "engine", "engine_version", "maskroll_version", "policy_version", "max_logprobs_k", "max_model_len", "vocab_size", "max_tokens", "max_n", "logprobs_mode", "replica_id", "max_message_bytes", "dtype", "seed", "max_batch", "tensor_parallel_size", "quantization", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization", "kv_cache_tokens", "run_id", "weights_fingerprint", "in_flight", "jobs_running", "generated_tokens", "published_records")
+    __slots__ = ("model", "engine", "engine_version", "maskroll_version", "policy_version", "max_logprobs_k", "max_model_len", "vocab_size", "max_tokens", "max_n", "logprobs_mode", "replica_id", "max_message_bytes", "dtype", "seed", "max_batch", "tensor_parallel_size", "quantization", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization", "kv_cache_tokens", "run_id", "weights_fingerprint", "in_flight", "jobs_running", "generated_tokens", "published_records", "tokenizer_fingerprint")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +333,7 @@ class ServerInfo(_message.Message):
     JOBS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     engine_version: str
@@ -361,7 +362,8 @@ class ServerInfo(_message.Message):
     jobs_running: int
     generated_tokens: int
     published_records: int
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., maskroll_version: _Optional[str] = ..., policy_version: _Optional[int] = ..., max_logprobs_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_n: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., replica_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_tokens: _Optional[int] = ..., run_id: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., in_flight: _Optional[int] = ..., jobs_running: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., published_records: _Optional[int] = ...) -> None: ...
+    tokenizer_fingerprint: str
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., maskroll_version: _Optional[str] = ..., policy_version: _Optional[int] = ..., max_logprobs_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_n: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., replica_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_tokens: _Optional[int] = ..., run_id: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., in_flight: _Optional[int] = ..., jobs_running: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., published_records: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PromptJob(_message.Message):
     __slots__ = ("job_id", "prompt_token_ids", "options", "group_id", "metadata", "submitted_at", "rollout_stream", "schema_version", "run_id")

@@ -78,6 +78,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         # The fingerprint of the starting weights (server/weights/fingerprint.py; app.py sets it) while
         # they are served; "" once any update loaded other weights, or when unknown.
         self.base_fingerprint = ""
+        self.tokenizer_fingerprint = ""  # set by app.py at start-up (GetInfo; the teacher stage compares it)
         # Why this replica may not serve Generate yet (starting, joining its training run, an invalid
         # run record), or None; server/app.py sets it. Weight updates are taken meanwhile.
         self.not_ready: str | None = None
@@ -337,6 +338,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             jobs_running=int(load.jobs_running),
             generated_tokens=int(load.tokens),
             published_records=int(load.published),
+            tokenizer_fingerprint=self.tokenizer_fingerprint,
             **vars(e.settings),  # EngineSettings and ServerInfo name the engine's settings alike
         )
 

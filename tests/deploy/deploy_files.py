@@ -44,6 +44,7 @@ KUSTOMIZATIONS = {
     "gpu": K8S / "overlays" / "gpu",
     "trainer": K8S / "trainer",
     "reward": K8S / "reward",
+    "teacher": K8S / "teacher",
     "tools": K8S / "tools",
     "tls-ca": K8S / "tls-ca",
 }

@@ -82,4 +82,5 @@ def test_the_redis_network_policy_admits_reward_workers():
         if "namespaceSelector" not in peer
     ]
     (expr,) = selector["matchExpressions"]
-    assert "reward" in expr["values"] and set(expr["values"]) == {"replica", "trainer", "reward"}
+    assert "reward" in expr["values"]
+    assert set(expr["values"]) == {"replica", "trainer", "reward", "teacher-stage"}  # deploy/k8s/teacher

@@ -28,6 +28,7 @@ from maskroll.proto import wire
 from maskroll.proto.redis_conn import open_redis
 from maskroll.proto.scoring import ScoreOptions
 from maskroll.proto.streams import F_RECORD, TEACHER_GROUP, StreamKeys
+from maskroll.proto.tokenizer_fingerprint import fingerprint_tokenizer_json, vocab_fingerprint
 from maskroll.stages.config import TeacherStageConfig
 from maskroll.stages.run import make_teacher_worker
 from maskroll.stages.teacher import tokenizer_fingerprint, vocabulary_problems
@@ -58,7 +59,10 @@ def fleet(redis_server, model_dir, teacher_dir):
         env=env,
         name="student",
     )
-    teachers = [LocalReplica(["--model", teacher_dir, *base], env=ENV, name=f"teacher {c}") for c in "ab"]
+    teachers = [
+        LocalReplica(["--model", teacher_dir, *base, "--metrics-port", "0"], env=ENV, name=f"teacher {c}")
+        for c in "ab"
+    ]
     reps = [student, *teachers]
     try:
         for rep in reps:
@@ -101,11 +105,31 @@ def test_vocabulary_problems_name_the_teacher(model_dir, teacher_dir, tmp_path):
     other = _other_tokenizer(teacher_dir, tmp_path / "other")
     problems, _ = vocabulary_problems(student, {"t:3": dataclasses.replace(same, model=str(other))})
     assert len(problems) == 1 and problems[0].startswith(f"teacher t:3 ({other}) has another tokenizer")
-    remote = dataclasses.replace(same, model="org/remote-model")  # not local: vocab_size only, said so
+    remote = dataclasses.replace(same, model="org/remote-model")  # neither local nor reported: said so
     assert vocabulary_problems(student, {"t:4": remote}) == (
         [],
-        ["teacher t:4's tokenizer (org/remote-model) is not a local tokenizer directory"],
+        ["teacher t:4's tokenizer (org/remote-model) has no fingerprint: not in GetInfo, not local"],
     )
+    # a teacher whose tokenizer is not local is compared by the fingerprint its replica reports
+    mine, theirs = tokenizer_fingerprint(model_dir), tokenizer_fingerprint(other)
+    assert mine.startswith("tok1:") and theirs.startswith("tok1:") and mine != theirs
+    reported = dataclasses.replace(remote, tokenizer_fingerprint=mine)
+    assert vocabulary_problems(student, {"t:5": reported}) == ([], [])
+    reported = dataclasses.replace(remote, tokenizer_fingerprint=theirs)
+    problems, _ = vocabulary_problems(student, {"t:6": reported})
+    assert problems == [
+        "teacher t:6 (org/remote-model) has another tokenizer than the student "
+        f"({model_dir}): same vocab_size 260, but its id → token map differs ({theirs} != {mine})"
+    ]
+    # and so is a remote student's, when the stage has no --tokenizer
+    remote_student = dataclasses.replace(student, model="org/student", tokenizer_fingerprint=theirs)
+    problems, _ = vocabulary_problems(remote_student, {"t:7": same})
+    assert len(problems) == 1 and problems[0].startswith("teacher t:7 (") and "(org/student)" in problems[0]
+    # the fingerprint is of the id → token map: transformers' get_vocab() of the same tokenizer agrees
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert vocab_fingerprint(tok.get_vocab()) == mine
 
 
 def _other_tokenizer(src, dst):
@@ -159,7 +183,9 @@ def test_records_carry_exactly_what_score_returns_and_train(redis_server, fleet,
             recs
         )
         assert beat["stage"] == "teacher" and beat["scored"] == len(recs) and beat["duplicates"] == 2
-        assert w.scorer.scored_by == {ta.address: 7, tb.address: 7}  # round robin (duplicates scored too)
+        # calls go round robin (a group's records in one call); every record scored, duplicates too
+        assert set(w.scorer.scored_by) == {ta.address, tb.address}
+        assert sum(w.scorer.scored_by.values()) == len(recs) + 2
         async with RolloutClient(ta.address) as c:
             for rec in got:
                 ref = await c.score(
@@ -412,3 +438,166 @@ def test_a_teacher_down_passes_records_to_the_next_and_a_refused_record_is_dead_
         await r.aclose()
 
     asyncio.run(main())
+
+
+def _score_calls(replica) -> float:
+    """Score RPCs the replica answered OK (its own Prometheus counter)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{replica.metrics}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "maskroll_requests_total" and sample.labels == {
+                "method": "Score",
+                "code": "OK",
+            }:
+                return sample.value
+    return 0.0
+
+
+def test_a_groups_records_are_scored_in_one_call(redis_server, fleet, model_dir, teacher_dir):
+    """Two whole groups of 4, one record of a group whose others are elsewhere, one record without a
+    group: 4 Score calls on the teacher (counted by its own metrics) instead of 10, and every record
+    carries exactly the scores it gets when scored alone (group_wait_s = 0: a call per record)."""
+    _, (ta, _) = fleet
+    whole = _records(model_dir, "grp", 2)  # 2 jobs x 4 samples, texts of 3..9 tokens
+    lone = record(model_dir, "lone", 2, 4, text=b"abcab")  # sample 2 of a group of 4, alone here
+    single = record(model_dir, "single", 0, 1, text=b"cab")
+    recs = [*whole, lone, single]
+
+    async def run_stage(group_wait_s: float):
+        cfg = TeacherStageConfig(
+            redis_url=redis_server.url,
+            namespace=NS,
+            teacher=ta.address,
+            teacher_k=K_T,
+            group_wait_s=group_wait_s,
+            timeout_s=20,
+            claim_idle_s=30,
+            student_wait_s=30,
+        )
+        r, cluster = await open_redis(redis_server.url)
+        keys = StreamKeys(NS, 1, cluster)
+        await _clear(r, keys)
+        await feed(r, keys, recs)  # all there before the worker reads: it takes 8 (its concurrency) at once
+        before = _score_calls(ta)
+        w = await make_teacher_worker(r, keys, cfg, f"batch-{group_wait_s}")
+        await w.start()
+        run = asyncio.create_task(w.run())
+        try:
+            await wait_for(lambda: _at_least(r, keys, len(recs)), timeout=120)
+            await wait_for(lambda: _when_zero(r.xlen(keys.part(0).finished)), timeout=60)
+        finally:
+            w.stop()
+            await asyncio.wait_for(run, 10)
+            w.scorer.close()
+            await w.scorer.pool.close()
+        got = {
+            x.rollout_id: x
+            for x in (wire.decode_record(f[F_RECORD]) for _, f in await r.xrange(keys.rollouts))
+        }
+        await r.aclose()
+        return got, _score_calls(ta) - before, w
+
+    batched, calls, w = asyncio.run(run_stage(0.3))
+    assert calls == 4 and w.scorer.batcher.counters.calls == 4 and w.scorer.batcher.counters.records == 10
+    alone, calls_alone, w_alone = asyncio.run(run_stage(0.0))
+    assert calls_alone == 10 and w_alone.scorer.batcher is None
+    assert sorted(batched) == sorted(alone) == sorted(x.rollout_id for x in recs)
+    for rid, a in alone.items():
+        b = batched[rid]
+        assert b.teacher_semantics == a.teacher_semantics and b.teacher_semantics.model == str(teacher_dir)
+        np.testing.assert_array_equal(b.teacher_topk_ids, a.teacher_topk_ids)
+        np.testing.assert_array_equal(b.teacher_topk_logprobs, a.teacher_topk_logprobs)
+        np.testing.assert_array_equal(b.teacher_sampled_logprobs, a.teacher_sampled_logprobs)
+        assert (
+            b.teacher_topk_ids.shape == (b.num_tokens, K_T) and np.isfinite(b.teacher_sampled_logprobs).all()
+        )
+
+
+def test_a_batch_with_a_refused_record_dead_letters_that_record_only(redis_server, fleet, model_dir):
+    """One record of a group of 4 holds a token outside the teacher's vocabulary: the group's call is
+    refused, scored again record by record, and only that record is dead-lettered."""
+    from maskroll.proto.streams import F_REASON, F_REWARD_FAILED
+
+    _, (ta, _) = fleet
+    recs = _records(model_dir, "split", 1)
+    bad = recs[2]
+    bad.completion_ids = bad.completion_ids.copy()
+    bad.completion_ids[0] = 100_000
+    cfg = TeacherStageConfig(
+        redis_url=redis_server.url, namespace=NS, teacher=ta.address, teacher_k=K_T, student_wait_s=30
+    )
+
+    async def main():
+        r, cluster = await open_redis(redis_server.url)
+        keys = StreamKeys(NS, 1, cluster)
+        await _clear(r, keys)
+        await feed(r, keys, recs)
+        w = await make_teacher_worker(r, keys, cfg, "split-worker")
+        await w.start()
+        run = asyncio.create_task(w.run())
+        try:
+            out = await wait_for(lambda: _at_least(r, keys, 4), timeout=60)
+        finally:
+            w.stop()
+            await asyncio.wait_for(run, 10)
+            w.scorer.close()
+            await w.scorer.pool.close()
+        c = w.scorer.batcher.counters
+        assert (c.calls, c.records, c.split) == (5, 8, 1)  # the group's call, then one per record
+        scored = sorted(wire.decode_record(f[F_RECORD]).rollout_id for _, f in out if F_RECORD in f)
+        assert scored == sorted(x.rollout_id for x in recs if x is not bad)
+        (notice,) = [f for _, f in out if F_REWARD_FAILED in f]
+        assert wire.decode_record(notice[F_REWARD_FAILED]).rollout_id == bad.rollout_id
+        assert "100000" in notice[F_REASON].decode() and (await r.xlen(keys.part(0).dead_letters)) == 1
+        await r.aclose()
+
+    asyncio.run(main())
+
+
+def test_replicas_report_their_tokenizer_fingerprint(fleet, model_dir, teacher_dir):
+    student, (ta, _) = fleet
+
+    async def main():
+        infos = []
+        for rep in (student, ta):
+            async with RolloutClient(rep.address) as c:
+                infos.append(await c.info())
+        return infos
+
+    s, t = asyncio.run(main())
+    assert (
+        s.tokenizer_fingerprint == fingerprint_tokenizer_json(model_dir) == tokenizer_fingerprint(model_dir)
+    )
+    assert t.tokenizer_fingerprint == s.tokenizer_fingerprint  # two models of one tokenizer
+    assert s.tokenizer_fingerprint.startswith("tok1:") and len(s.tokenizer_fingerprint) == 5 + 32
+
+
+def test_a_remote_teacher_of_another_map_is_refused_by_its_reported_fingerprint(
+    redis_server, fleet, teacher_dir, tmp_path
+):
+    """A teacher whose tokenizer has the student's size but another id → token map, and whose files the
+    stage cannot read (its directory is gone once the replica has loaded it: as on another machine): the
+    stage compares the fingerprint the teacher reports in GetInfo with the student replica's, exits 2 and
+    names it."""
+    other = _other_tokenizer(teacher_dir, tmp_path / "other-teacher")
+    rep = LocalReplica(
+        ["--model", other, "--engine", "torch", "--port", "0", "--threads", "1", "--drain-timeout-s", "2"],
+        env=ENV,
+        name="other teacher",
+    )
+    with rep:
+        moved = tmp_path / "elsewhere"
+        other.rename(moved)
+        log = tmp_path / "remote.log"
+        with open(log, "w") as f:
+            p = _stage_proc(redis_server.url, rep.address, log=f)
+            assert p.wait(120) == 2, log.read_text()
+    text = log.read_text()
+    assert f"teacher {rep.address} ({other}) has another tokenizer than the student (" in text
+    assert "same vocab_size 259, but its id → token map differs (tok1:" in text  # the model's embedding rows
+    assert "maskroll teacher: ready" not in text
