@@ -11,6 +11,7 @@ from .collate import Batch, SemanticsError, collate, group_advantages
 from .config import MaskConfig
 from .corrections import CORRECTIONS, rollout_correction
 from .distill import StudentLogprobs, distill_advantages, distill_loss, student_logprobs
+from .distributed import TorchCollective, World, single_process, torch_world
 from .logprobs import token_logprobs
 from .loss import TokenLoss, policy_loss, token_loss
 from .masks import MaskResult, compute_masks, compute_masks_for
@@ -34,7 +35,9 @@ __all__ = [
     "SemanticsError",
     "StudentLogprobs",
     "TokenLoss",
+    "TorchCollective",
     "VocabStats",
+    "World",
     "collate",
     "compute_masks",
     "compute_masks_for",
@@ -52,7 +55,9 @@ __all__ = [
     "processed_logprobs",
     "rollout_correction",
     "sampled_token_masks",
+    "single_process",
     "student_logprobs",
     "token_logprobs",
     "token_loss",
+    "torch_world",
 ]

@@ -24,6 +24,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from .distributed import World
 from .inputs import check_shape, per_token, response_mask_flat
 from .kernels import Compile, check_compile, chunk_grad, chunk_stats, use_compiled
 from .loss import AGGREGATIONS, Aggregation
@@ -267,12 +268,17 @@ def distill_loss(
     aggregation: Aggregation = "token_mean",
     response_mask: Tensor | None = None,  # bool like sampled_ids
     max_len: int | None = None,  # seq_mean_token_sum_norm's constant
+    world: World | None = None,  # the trainer ranks: global denominators, as policy_loss's `world`
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar distillation loss agg(D_kind(π_teacher, π)) over the response tokens (docs/math.md §10), and
     metrics: `distill_kl_sampled` = mean of log π_a − log π_teacher(a) (the k1 estimate of KL(π‖π_teacher)
     on the sampled tokens), `distill_forward_kl` = mean bucketed KL(π_teacher‖π), `distill_jsd` (kind
     "jsd"), `topk_overlap` = mean fraction of the teacher's top-K ids among the student's top-K over the
-    response rows student_logprobs ranked (nan if none)."""
+    response rows student_logprobs ranked (nan if none).
+
+    With `world` the aggregation's denominator is the global one and the loss W · (this rank's sum) /
+    (global denominator), exactly as policy_loss's (docs/math.md "Across ranks"); the metrics stay
+    this rank's."""
     if kind not in DISTILL_LOSSES:
         raise ValueError(f"kind={kind!r}; expected one of {tuple(DISTILL_LOSSES)}")
     if kind == "jsd" and not 0.0 < beta < 1.0:
@@ -301,7 +307,7 @@ def distill_loss(
     )
     div = DISTILL_LOSSES[kind](b, beta)  # [N]
     per_tok = torch.where(valid, div, 0.0)
-    loss = AGGREGATIONS[aggregation](per_tok.reshape(lead), valid.reshape(lead), max_len)
+    loss = AGGREGATIONS[aggregation](per_tok.reshape(lead), valid.reshape(lead), max_len, world)
 
     with torch.no_grad():
         vf = valid.to(per_tok.dtype)

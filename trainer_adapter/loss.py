@@ -20,6 +20,7 @@ import torch
 
 from .config import MaskConfig
 from .corrections import rollout_correction
+from .distributed import World
 from .inputs import check_shape, per_token
 from .masks import MaskResult
 
@@ -32,29 +33,58 @@ def _mean(x: Tensor, where: Tensor) -> Tensor:
     return torch.where(where > 0, x * where, 0.0).sum() / where.sum()
 
 
-# ---- aggregations (docs/math.md §5): per-token values, 0 off `valid`, → a scalar ------------------------
+# ---- aggregations (docs/math.md §5, "Across ranks"): per-token values, 0 off `valid`, → a scalar ------
 
 
-def _token_mean(per_tok: Tensor, valid: Tensor, max_len: int | None) -> Tensor:
-    return per_tok.sum() / valid.sum().clamp_min(1)
+def _normalise(total: Tensor, count: Tensor, world: World | None) -> Tensor:
+    """total / count, this rank's; with `world`, W · total / (count summed over the ranks): the one place
+    the denominator is chosen. The W cancels the 1/W of the gradient averaging that DDP, FSDP2 and
+    accelerate do, so W ranks step exactly as one rank on the union of their records (docs/math.md
+    "Across ranks"). The count is a constant (detached) either way, and summed as an integer: exact at
+    any size, and the loss keeps total's dtype."""
+    if world is None:
+        return total / count.clamp_min(1)
+    return world.world_size * total / world.sum(count).clamp_min(1)
 
 
-def _seq_mean(per_tok: Tensor, valid: Tensor, max_len: int | None, *, sum_norm: bool) -> Tensor:
+def _token_mean(per_tok: Tensor, valid: Tensor, max_len: int | None, world: World | None = None) -> Tensor:
+    return _normalise(per_tok.sum(), valid.sum(), world)
+
+
+def _seq_mean(
+    per_tok: Tensor, valid: Tensor, max_len: int | None, world: World | None, *, sum_norm: bool
+) -> Tensor:
     if per_tok.dim() != 2:
         raise ValueError("sequence aggregations need batched [B, T] inputs")
+    if sum_norm and world is not None and max_len is None:
+        # The default L = T is this rank's padded length: it differs between ranks, and between a rank and
+        # one process on all records, so the ranks' step would not be the one-process step.
+        raise ValueError(
+            "seq_mean_token_sum_norm across ranks needs max_len (one constant L for every rank, e.g. the "
+            "generation's max_tokens); the default L = T is this rank's padded length"
+        )
     n_tok = valid.sum(-1)  # [B]
     denom = float(max_len or per_tok.shape[-1]) if sum_norm else n_tok.clamp_min(1)
     per_seq = per_tok.sum(-1) / denom  # [B]
     has = n_tok > 0
-    return (per_seq * has).sum() / has.sum().clamp_min(1)
+    return _normalise((per_seq * has).sum(), has.sum(), world)
+
+
+def _seq_mean_token_mean(p: Tensor, v: Tensor, m: int | None, world: World | None = None) -> Tensor:
+    return _seq_mean(p, v, m, world, sum_norm=False)
+
+
+def _seq_mean_token_sum_norm(p: Tensor, v: Tensor, m: int | None, world: World | None = None) -> Tensor:
+    return _seq_mean(p, v, m, world, sum_norm=True)
 
 
 # aggregation → its function, looked up once per call (STYLE.md §3). Each takes the per-token values
-# ([N] or [B, T], 0 off `valid`), the bool `valid` and seq_mean_token_sum_norm's constant.
-AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, int | None], Tensor]] = {
+# ([N] or [B, T], 0 off `valid`), the bool `valid`, seq_mean_token_sum_norm's constant and the World (None:
+# this process's batch is the whole batch).
+AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, int | None, World | None], Tensor]] = {
     "token_mean": _token_mean,
-    "seq_mean_token_mean": lambda p, v, m: _seq_mean(p, v, m, sum_norm=False),
-    "seq_mean_token_sum_norm": lambda p, v, m: _seq_mean(p, v, m, sum_norm=True),
+    "seq_mean_token_mean": _seq_mean_token_mean,
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
 }
 
 
@@ -166,11 +196,21 @@ def policy_loss(
     kl_coef: float = 0.0,  # β of the KL term
     kl_is_weight: bool = True,  # the KL term's r = π_a/μ_a (TRL's use_bias_correction_kl)
     config: MaskConfig | None = None,  # its rollout correction (docs/math.md §9); None: token_tis
+    world: World | None = None,  # the trainer ranks (distributed.torch_world()); None: this batch is all
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar loss and a dict of 0-dim detached metric tensors (docs/math.md §5).
 
     With `ref_logprobs`: + kl_coef · (r · k3 aggregated by `aggregation` over the tokens where it is
     finite), and the metric `ref_kl`, its mean over those tokens.
+
+    With `world` (W data-parallel ranks, each calling this on its share of the global batch): every
+    aggregation's denominator is the global one, summed over the ranks — response tokens for
+    token_mean, sequences with a response token for the sequence means, the KL term's own count — and
+    the loss is W · (this rank's sum) / (global denominator), so that after the gradient *averaging* of
+    DDP, FSDP2 or accelerate the W ranks take exactly the step one process takes on all their records
+    (docs/math.md "Across ranks"). seq_mean_token_sum_norm then needs `max_len`. Each call is one or two
+    collectives (`world.sum`): every rank must call it with the same options, an empty share included.
+    The metrics stay this rank's (means over its own tokens), not global ones.
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation={aggregation!r}; expected one of {tuple(AGGREGATIONS)}")
@@ -191,11 +231,11 @@ def policy_loss(
         config=config,
     )
     valid, w, raw_w, m, adv = t.response_mask, t.is_weight, t.is_weight_raw, t.kept, t.advantages
-    loss = aggregate(t.loss, valid, max_len)
+    loss = aggregate(t.loss, valid, max_len, world)
     if ref_logprobs is not None:
         check_shape(ref_logprobs, tuple(logprobs.shape), "ref_logprobs")
         kl, counted = ref_kl(logprobs, ref_logprobs, sampled_logprobs, valid, is_weight=kl_is_weight)
-        loss = loss + kl_coef * aggregate(kl, counted, max_len)
+        loss = loss + kl_coef * aggregate(kl, counted, max_len, world)
 
     with torch.no_grad():
         vf = valid.to(w.dtype)
