@@ -6,7 +6,9 @@ queue, ...)` (factory.py), over three transports with one run semantics: "stream
 replica over gRPC (PushWeights: no shared filesystem); "directory" (`CheckpointPublisher`,
 `publish.py`) writes it in the checkpoint layout (`checkpoint.py`) under the replicas' `--weights-root`
 (a shared volume) and announces it (UpdateWeights); "collective" (`CollectivePublisher`,
-`collective.py`, GPUs only) sends it over NCCL through vLLM's weight-transfer engine. The calls to the
+`collective.py`, GPUs only) sends it over NCCL through vLLM's weight-transfer engine. A data-parallel
+trainer passes `collective=` and gets a `RankedPublisher` (`ranked.py`) on every rank: rank 0 publishes,
+an FSDP2 model is gathered one parameter at a time by every rank (`sharded.py`). The calls to the
 replicas themselves — broadcast, push, sync, what each serves — are `broadcast.py`, which takes a
 `maskroll.client.RolloutQueue` for its replica registry, run and policy version: a restarted trainer
 resumes at the run's last version, from its checkpoint.
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from .collective import CollectivePublisher
     from .factory import Publisher, Transport, make_publisher
     from .publish import CheckpointPublisher, WeightSyncError
+    from .ranked import RankedPublisher
     from .stream import StreamPublisher
 
 _LAZY = {
@@ -35,6 +38,7 @@ _LAZY = {
     "CheckpointPublisher": "publish",
     "WeightSyncError": "publish",
     "StreamPublisher": "stream",
+    "RankedPublisher": "ranked",
     "CollectivePublisher": "collective",
     "Publisher": "factory",
     "Transport": "factory",
@@ -50,6 +54,7 @@ __all__ = [
     "CheckpointPublisher",
     "CollectivePublisher",
     "Publisher",
+    "RankedPublisher",
     "StreamPublisher",
     "Transport",
     "WeightSyncError",

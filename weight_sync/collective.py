@@ -19,6 +19,12 @@ enter it; it finds "collective" in the run record and starts on its own weights 
 the trainer forms a new group with it (or publishes through a StreamPublisher or the directory).
 Needs CUDA, NCCL and vLLM on the trainer; the replicas run the vLLM engine started with
 `--vllm-arg weight_transfer_config='{"backend": "nccl"}'`.
+
+A data-parallel trainer (issue 21) makes one CollectivePublisher per rank (`rank`, through
+`make_publisher(..., collective=...)`: `ranked.RankedPublisher`): rank 0 is vLLM's sender (the NCCL
+group with the replicas, the RPCs, the run record); the other ranks hold no queue and are not in the
+group, they only join the trainer-side gathers — vLLM's `ModuleSource` gathers an FSDP2 model one
+parameter at a time (`full_tensor()`) while the sender broadcasts each, so no rank holds the model.
 """
 
 from __future__ import annotations
@@ -136,8 +142,11 @@ class CollectivePublisher:
         tensor_parallel_size: int = 1,
         packed: bool = True,
         timeout: float = 600.0,
+        rank: int = 0,
     ) -> None:
-        self.queue, self.model = queue, model
+        if (rank == 0) == (queue is None):
+            raise ValueError(f"rank {rank}: the queue is rank 0's, and only rank 0's (queue=None elsewhere)")
+        self.queue, self.model, self.rank = queue, model, rank
         self.master_address, self.master_port, self.packed = master_address, master_port, packed
         self.tp, self.timeout = tensor_parallel_size, timeout
         self.client: GrpcWeightSyncClient | None = None
@@ -174,6 +183,14 @@ class CollectivePublisher:
             NCCLTrainerWeightTransferEngine,
         )
 
+        if self.rank != 0:  # not in the NCCL group: this rank only joins the gathers of send_weights()
+            info = NCCLTrainerInitInfo(
+                master_address=self.master_address, master_port=self.master_port, world_size=1, rank=self.rank
+            )
+            self._engine = NCCLTrainerWeightTransferEngine.trainer_init(
+                info, client=None, source=ModuleSource(self.model)
+            )
+            return []
         replicas = self.queue.replicas()
         if not replicas:
             raise WeightSyncError(0, {}, {})
@@ -189,6 +206,7 @@ class CollectivePublisher:
             master_port=self.master_port,
             world_size=self.client.world_size,
             packed=self.packed,
+            rank=0,  # the sender (vLLM's TrainerInitInfo asks for it explicitly)
         )
         self._engine = NCCLTrainerWeightTransferEngine.trainer_init(
             info, client=self.client, source=ModuleSource(self.model)
@@ -202,12 +220,29 @@ class CollectivePublisher:
         forward or a non-finite value; WeightSyncError if a replica of the group failed (the group is
         then unusable: connect() again)."""
         self._own(model)
-        if self._engine is None or self.client is None:
-            raise RuntimeError("connect() (or start()) first")
         version = next_version(self.version, version)
+        bad = self.nonfinite()
+        if bad is not None:
+            raise ValueError(f"parameter {bad!r} has non-finite values; version {version} not sent")
+        return self.send(version)
+
+    def nonfinite(self) -> str | None:
+        """The first parameter with a NaN or inf in what this rank holds of it (its shard, for an FSDP2
+        model: a data-parallel trainer combines every rank's answer), or None."""
         for name, p in self.model.named_parameters():
-            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
-                raise ValueError(f"parameter {name!r} has non-finite values; version {version} not sent")
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+                return name
+        return None
+
+    def send(self, version: int) -> dict[str, str]:
+        """Rank 0: record `version` and broadcast the parameters to the group; the other ranks of a
+        data-parallel trainer: join the gathers (a sharded model) and return {}. Checks are publish()'s."""
+        if self._engine is None or (self.rank == 0 and self.client is None):
+            raise RuntimeError("connect() (or start()) first")
+        if self.rank != 0:
+            self._engine.send_weights()
+            return {}
         self.queue.record_version(version, COLLECTIVE_RECORD)
         self.client.version = version
         self._engine.send_weights()

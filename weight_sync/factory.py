@@ -56,8 +56,9 @@ class Publisher(Protocol):
 
 def make_publisher(
     transport: Transport,
-    queue: RolloutQueue | Fleet,
+    queue: RolloutQueue | Fleet | None,
     *,
+    collective: Any = None,
     root: str | os.PathLike | None = None,
     keep: int = 2,
     timeout: float | None = None,
@@ -73,18 +74,49 @@ def make_publisher(
     resume_from_base ("stream": a resumed run with no copy of its version under root publishes the model
     as a new version instead of refusing), held ("stream": the (run, version) the model holds, from an
     earlier publisher's `held`); model, master_address, master_port, tensor_parallel_size,
-    packed ("collective")."""
+    packed ("collective").
+
+    collective: the trainer ranks' control plane (`maskroll.client.ranks.Collective`, e.g.
+    `trainer_adapter.distributed.TorchCollective()`), for a data-parallel trainer: every rank calls
+    make_publisher, start and publish, with `queue` on rank 0 and None on the others, and gets a
+    `ranked.RankedPublisher` (a plain or DDP model is published by rank 0 alone; an FSDP2 model is
+    gathered one parameter at a time by every rank). None: one process, as before."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r}; expected one of {', '.join(map(repr, TRANSPORTS))}")
+    if transport == "directory" and root is None:
+        raise ValueError("transport 'directory' needs root: the directory the replicas use as --weights-root")
+    if transport == "collective" and root is not None:
+        raise ValueError("transport 'collective' keeps no copy of the weights: root must be None")
+    if collective is not None:
+        from .ranked import RankedPublisher
+
+        if collective.rank != 0 and transport == "collective":
+            from .collective import CollectivePublisher
+
+            if queue is not None:
+                raise ValueError(f"rank {collective.rank}: only rank 0 holds the queue; pass queue=None")
+            if timeout is not None:
+                options["timeout"] = timeout
+            inner = CollectivePublisher(None, rank=collective.rank, **options)
+            return RankedPublisher(inner, collective, transport)
+        if collective.rank != 0:
+            if queue is not None:
+                raise ValueError(
+                    f"rank {collective.rank}: only rank 0 holds the queue and talks to the replicas; "
+                    "pass queue=None on the other ranks"
+                )
+            return RankedPublisher(None, collective, transport)
+        if queue is None:
+            raise ValueError("rank 0 publishes through the queue's replicas: pass its queue")
+        inner = make_publisher(transport, queue, root=root, keep=keep, timeout=timeout, **options)
+        return RankedPublisher(inner, collective, transport)
+    if queue is None:
+        raise ValueError(f"make_publisher({transport!r}) needs the queue whose replicas it publishes to")
     if timeout is not None:
         options["timeout"] = timeout
     if transport == "directory":
         from .publish import CheckpointPublisher
 
-        if root is None:
-            raise ValueError(
-                "transport 'directory' needs root: the directory the replicas use as --weights-root"
-            )
         return CheckpointPublisher(queue, root, keep=keep, **options)
     if transport == "stream":
         from .stream import StreamPublisher
@@ -92,6 +124,4 @@ def make_publisher(
         return StreamPublisher(queue, save_root=root, keep=keep, **options)
     from .collective import CollectivePublisher
 
-    if root is not None:
-        raise ValueError("transport 'collective' keeps no copy of the weights: root must be None")
     return CollectivePublisher(queue, **options)

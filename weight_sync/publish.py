@@ -34,7 +34,7 @@ import torch
 from maskroll.client import BroadcastError, ReplicaWeights
 
 from . import broadcast
-from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+from .checkpoint import CHECKPOINT_FILE, checkpoint_dir, load_checkpoint, save_checkpoint
 from .fingerprint import model_fingerprint
 
 if TYPE_CHECKING:
@@ -209,6 +209,23 @@ class CheckpointPublisher:
         path = save_checkpoint(model, self.root, version)
         results = self._checked(
             version, lambda: self.fleet.broadcast_weights(version, str(path), timeout=self.timeout)
+        )
+        self._prune(version)
+        return results
+
+    def written_path(self, version: int) -> Path:
+        """Where a sharded model's version is written (`sharded.write_gathered`) before
+        `publish_written`: `<root>/v<version>/model.safetensors`, the layout the replicas load."""
+        return checkpoint_dir(self.root, version) / CHECKPOINT_FILE
+
+    def publish_written(self, written) -> dict[str, str]:
+        """Publish a version already written into `written_path(version)` (a `sharded.WrittenVersion`:
+        gathered one parameter at a time by every rank): recorded, loaded by every live replica, old
+        versions pruned; as publish()."""
+        version = next_version(self.version, written.manifest.version)
+        path = str(Path(written.path).parent)
+        results = self._checked(
+            version, lambda: self.fleet.broadcast_weights(version, path, timeout=self.timeout)
         )
         self._prune(version)
         return results

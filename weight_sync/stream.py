@@ -14,6 +14,11 @@ publishes the model it is given as a new version (never as the run's current one
 
 Each chunk is serialized straight from the tensor's memory with one copy (`wire.push_chunk_bytes`),
 per replica, so the trainer holds the snapshot plus the chunks each replica's gRPC stream has in flight.
+
+A model sharded across trainer ranks (FSDP2) is never snapshotted whole: `ranked.RankedPublisher` has
+every rank gather it one parameter at a time into a file (`sharded.write_gathered`: `written_path`, the
+resume copy under save_root or else a spool file of this publisher's), and `publish_written` pushes that
+file, read chunk by chunk, to the replicas and keeps it for the follower instead of a snapshot.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import threading
 import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -34,6 +40,7 @@ from . import broadcast
 from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from .fingerprint import model_fingerprint
 from .publish import WeightSyncError, checked, next_version
+from .sharded import WrittenVersion, version_file
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +159,8 @@ class StreamPublisher:
         self.held = held  # (run id, version) of the weights the trainer's model holds, as last known
         self._fingerprint = ""  # of the model start() was given at version 0: replicas holding it adopt
         self._tensors: dict[str, torch.Tensor] | None = None  # the last published version's snapshot
+        self._written: WrittenVersion | None = None  # ... or its file (a sharded model's, publish_written)
+        self._spool: str | None = None  # where written versions go without save_root (made on first use)
         self._manifest: WeightsManifest | None = None
         self._lock = threading.Lock()  # one push at a time: publish vs the follower's catch-up
         self._stop = threading.Event()
@@ -240,20 +249,56 @@ class StreamPublisher:
             save_checkpoint(tensors, self.save_root, version)
         with self._lock:
             self._remember(tensors, version)
-            try:
-                results = broadcast.push_weights(
-                    self.queue,
-                    version,
-                    self._manifest,
-                    self._chunks,
-                    timeout=self.timeout,
-                    record=STREAM_RECORD,
-                    fingerprint=self._fingerprint if version == 0 else "",
-                )
-            except BroadcastError as e:
-                raise WeightSyncError(version, e.failed, e.results) from e
+            results = self._push_new(version)
         self._prune(version)
         return checked(version, results, self.require_all)
+
+    def written_path(self, version: int) -> Path:
+        """Where `publish_written`'s file for `version` goes: `<save_root>/v<version>/model.safetensors`
+        (the resume copy, the checkpoint layout), or without save_root a spool directory private to this
+        publisher under the temporary directory (TMPDIR: it needs room for one model on rank 0's disk;
+        removed by close()), which keeps the current version only."""
+        if self.save_root is not None:
+            return version_file(checkpoint_dir(self.save_root, version))
+        if self._spool is None:
+            import tempfile
+
+            self._spool = tempfile.mkdtemp(prefix="maskroll-publish-")
+        return Path(self._spool) / f"v{version}.safetensors"
+
+    def publish_written(self, written: WrittenVersion) -> dict[str, str]:
+        """Publish a version already written to `written.path` (`sharded.write_gathered` into
+        `written_path(version)`): recorded as the run's latest, its file pushed to every live replica
+        (read chunk by chunk: the model is never in memory whole) and kept for the follower. As
+        publish(), {replica_id: result}; version 0 is offered for adoption by its fingerprint."""
+        version = next_version(self.version, written.manifest.version)
+        with self._lock:
+            before = self._written
+            self._tensors, self._written, self._manifest = None, written, written.manifest
+            self.held = (self.queue.run.run_id, version)
+            if version == 0:
+                self._fingerprint = written.fingerprint
+            try:
+                results = self._push_new(version)
+            finally:  # recorded or not, no push will read the superseded file again
+                if before is not None and self._spool and before.path.parent == Path(self._spool):
+                    before.path.unlink(missing_ok=True)  # the spool keeps the current version only
+        self._prune(version)
+        return checked(version, results, self.require_all)
+
+    def _push_new(self, version: int) -> dict[str, str]:
+        try:
+            return broadcast.push_weights(
+                self.queue,
+                version,
+                self._manifest,
+                self._chunks,
+                timeout=self.timeout,
+                record=STREAM_RECORD,
+                fingerprint=self._fingerprint if version == 0 else "",
+            )
+        except BroadcastError as e:
+            raise WeightSyncError(version, e.failed, e.results) from e
 
     def catch_up(self) -> dict[str, str]:
         """Push the current version to the live replicas that do not serve it; {replica_id: result}.
@@ -277,6 +322,11 @@ class StreamPublisher:
         if self._follower is not None:
             self._follower.join(timeout=self.timeout + 15)
             self._follower = None
+        if self._spool is not None:
+            import shutil
+
+            shutil.rmtree(self._spool, ignore_errors=True)
+            self._spool = None
 
     def __enter__(self) -> StreamPublisher:
         return self
@@ -286,10 +336,21 @@ class StreamPublisher:
 
     def _remember(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         self._tensors, self._manifest = tensors, manifest_of(tensors, version)
+        self._written = None
         self.held = (self.queue.run.run_id, version)
 
-    def _chunks(self) -> Iterator[tuple[int, int, memoryview]]:
-        tensors = self._tensors  # the version being sent, even if a publish replaces it meanwhile
+    def remember_written(self, written: WrittenVersion) -> None:
+        """Take `written` (a resumed run's version, loaded into a sharded model from it) as the version
+        the follower sends, instead of a snapshot; nothing is recorded or pushed here (catch_up does)."""
+        with self._lock:
+            self._tensors, self._written, self._manifest = None, written, written.manifest
+            self.held = (self.queue.run.run_id, written.manifest.version)
+
+    def _chunks(self) -> Iterator[tuple[int, int, memoryview | bytes]]:
+        # the version being sent, even if a publish replaces it meanwhile
+        tensors, written = self._tensors, self._written
+        if written is not None:
+            return written.chunks(self.chunk_bytes)
         return chunks_of(tensors, self.chunk_bytes)
 
     def _follow(self, period: float) -> None:

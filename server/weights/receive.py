@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import json
 import os
 import shutil
@@ -295,27 +294,3 @@ async def drain(rest: AsyncIterator, max_bytes: int, timeout_s: float = 60.0) ->
 
 def discard(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
-
-
-def trim_heap() -> None:
-    """Give the heap memory a weight update freed back to the system (glibc's malloc_trim; elsewhere
-    nothing). glibc raises its mmap threshold to the size of the largest block freed (up to 32 MiB), so
-    after one update most weight tensors and every chunk-sized buffer of a push (gRPC's, the message's,
-    its bytes) come from its arenas, which keep freed memory: without this the replaced weights stayed
-    resident after a directory update (RSS + one model until the next update) and a push left tens of
-    MB behind (bench/weights.py)."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _libc():
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:  # not glibc (musl, macOS): nothing to trim
-        return None

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from maskroll.proto.heap import trim_heap
 from maskroll.proto.tensor_push import CollectiveSpec, WeightsManifest
 
 from ..engines.contract import Engine
@@ -147,10 +148,10 @@ async def join_collective(engine: Engine, source: CollectiveSource) -> None:
 def release(source: WeightSource) -> None:
     """Free what the source holds on this replica (a streamed push's spool file, or its tensors when
     the load was refused before the engine consumed them), and return the memory the update freed —
-    the replaced weights, the push's buffers — to the system (`weight_stream.trim_heap`)."""
+    the replaced weights, the push's buffers — to the system (`proto.heap.trim_heap`)."""
     if isinstance(source, StreamedSource):
         if source.directory is not None and source.directory not in _serving_spool.values():
             weight_stream.discard(source.directory)
         if source.tensors is not None:
             source.tensors.clear()
-    weight_stream.trim_heap()
+    trim_heap()
