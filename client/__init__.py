@@ -1,11 +1,12 @@
 """maskroll.client: the SDK a trainer uses to reach rollout replicas (gRPC) and the rollout queue (Redis).
 
 Owns `RolloutClient`, `RolloutQueue` and the rules a trainer keeps (admission, whole groups, staleness,
-runs, the replica registry). The contract it shares with the replicas — records, wire code, stream
-layout, connection policy — is `maskroll.proto`; its record types are re-exported here. Moving weights
-onto the replicas is `maskroll.weight_sync` (it raises this package's `BroadcastError` and reports
-`ReplicaWeights`). It never imports torch or vllm: a trainer on any framework can use it. The gRPC
-client and the Redis queue are loaded on first access, so `from maskroll.client import RolloutRecord`
+runs, the replica registry), and `RankedQueue`: one run's queue shared by data-parallel trainer ranks.
+The contract it shares with the replicas — records, wire code, stream layout, connection policy — is
+`maskroll.proto`; its record types are re-exported here. Moving weights onto the replicas is
+`maskroll.weight_sync` (it raises this package's `BroadcastError` and reports `ReplicaWeights`). It
+never imports torch or vllm: a trainer on any framework can use it. The gRPC client and the Redis queue
+are loaded on first access, so `from maskroll.client import RolloutRecord`
 needs neither grpc nor redis, and the queue never loads grpc.
 """
 
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
     from maskroll.proto.redis_conn import QueueUnavailable
 
     from .admission import QueueFull
+    from .batching import group_key, split_groups
     from .queue import AsyncRolloutQueue, RolloutQueue
     from .queue_state import QueueStats
+    from .ranks import Collective, RankedQueue, RankFailed, SingleRank
     from .reader import QueueTimeout
     from .replicas import BroadcastError, ReplicaInfo, ReplicaWeights, replicas_elsewhere
     from .rollout_client import RolloutClient, RolloutError, SyncRolloutClient
@@ -42,6 +45,12 @@ _LAZY = {
     "RolloutQueue": "queue",
     "AsyncRolloutQueue": "queue",
     "QueueStats": "queue_state",
+    "group_key": "batching",
+    "split_groups": "batching",
+    "RankedQueue": "ranks",
+    "RankFailed": "ranks",
+    "SingleRank": "ranks",
+    "Collective": "ranks",
     "QueueTimeout": "reader",
     "QueueFull": "admission",
     "QueueUnavailable": "maskroll.proto.redis_conn",
@@ -59,11 +68,14 @@ _LAZY = {
 __all__ = [
     "AsyncRolloutQueue",
     "BroadcastError",
+    "Collective",
     "PromptJob",
     "QueueFull",
     "QueueStats",
     "QueueTimeout",
     "QueueUnavailable",
+    "RankFailed",
+    "RankedQueue",
     "RecordAssembler",
     "ReplicaInfo",
     "ReplicaWeights",
@@ -80,9 +92,12 @@ __all__ = [
     "SamplingOptions",
     "Semantics",
     "ServerInfo",
+    "SingleRank",
     "SyncRolloutClient",
     "WeightsUpdateResult",
+    "group_key",
     "replicas_elsewhere",
+    "split_groups",
 ]
 
 

@@ -10,7 +10,8 @@ stays closed: its late records follow it instead of waiting for samples that wil
 Pure state, no I/O: each method says which stream entries the caller must ack and delete
 (duplicates, dropped records); the queue's reader (reader.py) makes those Redis calls and keeps the
 statistics. The staleness rule (`too_stale`) and the refusal rules (`refusal`) are here too: what a
-trainer must not train on, decided without I/O.
+trainer must not train on, decided without I/O. So is the split of one batch between data-parallel
+trainer ranks (`split_groups`: whole groups, balanced by tokens; client/ranks.py scatters it).
 """
 
 from __future__ import annotations
@@ -35,6 +36,37 @@ CLOSED_MEMORY = 100_000
 def group_key(rec: RolloutRecord) -> str:
     """The group a record belongs to: its job (pull mode), else its request (a Generate call)."""
     return rec.job_id or rec.request_id
+
+
+def split_groups(records: Sequence[RolloutRecord], ranks: int) -> list[list[RolloutRecord]]:
+    """`records` (whole GRPO groups) split into `ranks` shares for data-parallel trainer ranks: every
+    group whole in one share, every record in exactly one, shares balanced by completion tokens.
+
+    Greedy (longest processing time first): groups by completion tokens, largest first (ties: the
+    group seen first in `records`), each to the lightest share (ties: fewer records, then the lower
+    rank). Deterministic: the same records give the same shares. The heaviest and lightest shares then
+    differ by at most the largest group's tokens. Within a share, records keep their order in `records`.
+    A share is empty only when there are fewer groups than ranks (more ranks than groups: the caller
+    decides whether an empty share may train; `RankedQueue` needs a batch of at least `ranks` groups).
+    """
+    if not (isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1):
+        raise ValueError(f"ranks={ranks!r}; expected an int >= 1")
+    groups: dict[str, list[int]] = {}  # group -> indices into records, in order of first appearance
+    for i, rec in enumerate(records):
+        groups.setdefault(group_key(rec), []).append(i)
+    tokens = {key: sum(records[i].num_tokens for i in idx) for key, idx in groups.items()}
+    order = sorted(groups, key=lambda key: -tokens[key])  # stable: ties keep first appearance
+    load = [(0, 0)] * ranks  # per share: (completion tokens, records)
+    owner: dict[int, int] = {}  # record index -> share
+    for key in order:
+        share = min(range(ranks), key=lambda r: (*load[r], r))
+        load[share] = (load[share][0] + tokens[key], load[share][1] + len(groups[key]))
+        for i in groups[key]:
+            owner[i] = share
+    shares: list[list[RolloutRecord]] = [[] for _ in range(ranks)]
+    for i, rec in enumerate(records):
+        shares[owner[i]].append(rec)
+    return shares
 
 
 def staleness(records: Iterable[RolloutRecord], policy_version: int) -> int:
