@@ -46,6 +46,8 @@ class DemoConfig:
     grpo: the GRPO recipe's settings (recipes.config.GRPOConfig), the mask nested in them
     engine: the replicas' engine: vllm, torch, or auto = vllm if installed, else torch
     trainer: maskroll: the GRPO recipe; trl: TRL's GRPOTrainer as MaskrollGRPOTrainer (recipes/trl_grpo.py)
+    trainer_ranks: the learner as this many local processes (torchrun, gloo): rank 0 reads each batch and
+        scatters whole groups, balanced by tokens; the loss is normalised over the whole batch
     replicas: pull-mode replicas to start
     reward_workers: score the rollouts with this many `maskroll reward` processes (the reward stage) instead
         of in the trainer; 0: in the trainer
@@ -70,6 +72,7 @@ class DemoConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     engine: Engine = "auto"
     trainer: Trainer = "maskroll"
+    trainer_ranks: int = 1
     replicas: int = 2
     reward_workers: int = 0
     spawn: bool = True
@@ -86,6 +89,21 @@ class DemoConfig:
             raise TypeError(f"DemoConfig.grpo must be a GRPOConfig, got {type(self.grpo).__name__}")
         if not (isinstance(self.replicas, int) and self.replicas >= 1):
             raise ValueError(f"DemoConfig.replicas={self.replicas!r}; expected an int >= 1")
+        ranks = self.trainer_ranks
+        if not (isinstance(ranks, int) and not isinstance(ranks, bool) and 1 <= ranks <= 64):
+            raise ValueError(f"DemoConfig.trainer_ranks={ranks!r}; expected an int in [1, 64]")
+        if ranks > self.grpo.prompts_per_step:
+            raise ValueError(
+                f"--trainer-ranks {ranks} needs --prompts-per-step >= {ranks} (got "
+                f"{self.grpo.prompts_per_step}): each rank trains whole groups, one per prompt"
+            )
+        if ranks > 1 and self.trainer not in ("maskroll", "trl"):
+            raise ValueError(f"--trainer-ranks {ranks} is not supported with --trainer {self.trainer} yet")
+        if ranks > 1 and self.trainer == "trl" and self.grpo.prompts_per_step % ranks:
+            raise ValueError(
+                f"--trainer trl --trainer-ranks {ranks} needs --prompts-per-step divisible by {ranks} (got "
+                f"{self.grpo.prompts_per_step}): TRL gives every rank the same number of prompts per step"
+            )
         if not (isinstance(self.reward_workers, int) and 0 <= self.reward_workers <= 64):
             raise ValueError(f"DemoConfig.reward_workers={self.reward_workers!r}; expected an int in [0, 64]")
         if self.reward_workers and not self.spawn:
@@ -140,6 +158,7 @@ FLAGS = (
     "grpo.mask.delta",
     "engine",
     "trainer",
+    "trainer_ranks",
     "replicas",
     "reward_workers",
     "distill",
@@ -290,6 +309,7 @@ def run(cfg: DemoConfig) -> dict:
     g, mask = cfg.grpo, cfg.grpo.mask
     print(
         f"maskroll demo: {cfg.replicas} replicas (engine {cfg.engine}), trainer {cfg.trainer}"
+        + (f" on {cfg.trainer_ranks} ranks" if cfg.trainer_ranks > 1 else "")
         + (f", {cfg.reward_workers} reward workers" if cfg.reward_workers else "")
         + ", method "
         f"{mask.method} + {mask.divergence} + {mask.estimator}, {g.steps} steps of {g.batch_size} "
@@ -313,12 +333,28 @@ def run(cfg: DemoConfig) -> dict:
             **task,
             **distill,
         )
+        if cfg.trainer_ranks > 1:  # N local ranks under torchrun; rank 0's summary comes back
+            from maskroll.recipes import grpo_launch
+
+            train = partial(
+                grpo_launch.train_ranks,
+                ranks=cfg.trainer_ranks,
+                log=out / "logs" / "trainer.log",
+                task="arithmetic" if cfg.is_smollm2 else "digits",
+                weight_transport=cfg.weight_transport,
+                final_dir=out / "final",
+                **stage,
+                **distill,
+            )
         if cfg.trainer == "trl":
             from maskroll.recipes import trl_grpo
 
             train = partial(
                 trl_grpo.train, out_dir=out / "trl", weight_transport=cfg.weight_transport, **stage
             )
+            if cfg.trainer_ranks > 1:  # N local ranks (torchrun, DDP over gloo); rank 0's summary
+                log = out / "logs" / "trainer.log"
+                train = partial(trl_grpo.train_ranks, ranks=cfg.trainer_ranks, log=log, **train.keywords)
         result = train(
             cfg.grpo,
             redis_url=cluster.url,
@@ -331,6 +367,7 @@ def run(cfg: DemoConfig) -> dict:
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
         **result,
         "reward_workers": cfg.reward_workers,
+        "trainer_ranks": cfg.trainer_ranks,
         "seconds": time.monotonic() - t_start,
     }
     if cfg.trainer == "maskroll":

@@ -20,14 +20,22 @@ What changes under TRL's training loop:
   next version: streamed over gRPC (`StreamPublisher`, the default with a queue: no shared filesystem)
   or written under the replicas' `--weights-root` for them to load (`CheckpointPublisher`).
 
+- **Ranks** (`accelerate launch --num_processes W`, DDP): rank 0 alone holds the queue; it submits the
+  global generation batch, takes it (one staleness check, one version), scatters whole groups balanced by
+  tokens, acks it after every rank's optimiser step and publishes; the loss's denominators are the global
+  batch's (`policy_loss(world=...)`), so W ranks take the step one process takes on the same records
+  (`trl_ranks.py`; docs/integrations.md "Several processes").
+
 Options whose meaning maskroll replaces or cannot honour are refused by name at construction
-(`UnsupportedOption`; the config and the refusals are `trl_options.py`), never ignored. One process
-(no multi-GPU data parallelism), no PEFT adapters.
+(`UnsupportedOption`; the config and the refusals are `trl_options.py`), never ignored. No PEFT adapters,
+no DeepSpeed or FSDP through accelerate (DDP only).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import itertools
 import logging
 import warnings
 from collections import deque
@@ -47,18 +55,22 @@ from maskroll.trainer_adapter import (
     policy_loss,
     token_logprobs,
 )
+from maskroll.trainer_adapter.distributed import World, single_process
 from maskroll.weight_sync import Publisher, make_publisher
 
+from . import trl_ranks
 from .rollouts import GrpcSource, Job, QueueSource, _Source
 from .trl_options import _CTOR_REFUSED, LOSS_TYPES, MaskrollConfig, UnsupportedOption, refusals
 
 with warnings.catch_warnings():
     # TRL warns at import about the vLLM version installed next to it; generation never uses TRL's vLLM.
     warnings.filterwarnings("ignore", message="TRL currently supports vLLM", category=UserWarning)
+    import trl.trainer.grpo_trainer as _trl_grpo
+    from accelerate.utils import DistributedType
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     from trl.data_utils import is_conversational
-    from trl.trainer.utils import nanstd
+    from trl.trainer.utils import nanstd, shuffle_sequence_dict
 
 log = logging.getLogger("maskroll.integrations.trl")
 
@@ -120,10 +132,13 @@ def maskroll_loss(
     top_p: float | None = None,
     beta: float = 0.0,
     bias_correction_kl: bool = True,
+    world: World | None = None,
 ) -> tuple[Tensor, dict[str, Tensor], MaskResult]:
     """Scalar loss, detached metrics and the masks: `policy_loss` (docs/math.md §5) on
     `compute_masks` (§3–§4), with TRL's β · k3 KL to the reference (`batch["ref_logprobs"]`) as its KL
-    term: TRL's use_bias_correction_kl weights it by π_a/μ_a, μ (the rollout) as the old policy."""
+    term: TRL's use_bias_correction_kl weights it by π_a/μ_a, μ (the rollout) as the old policy.
+    world: the data-parallel ranks (a collective: every rank calls this), whose global batch the
+    aggregation normalises over (docs/math.md "Across ranks"); None: this batch is the whole batch."""
     temp = batch["temperature"]  # [B]
     lp, stats = token_logprobs(
         logits, batch["completion_ids"], temperature=temp, top_k=top_k, top_p=top_p, return_stats=True
@@ -142,8 +157,22 @@ def maskroll_loss(
         ref_logprobs=batch["ref_logprobs"] if beta != 0.0 else None,
         kl_coef=beta,
         kl_is_weight=bias_correction_kl,
+        world=world,
     )
     return loss, metrics, res
+
+
+def split_rows(batch: dict[str, Tensor], chunks: int) -> list[dict[str, Tensor]]:
+    """A generation batch → `chunks` micro-batches, every row in exactly one (sizes differ by at most one;
+    0-d entries go to every chunk). TRL's split_tensor_dict cuts equal chunks and drops the remainder:
+    with several processes a rank's share is whole groups balanced by tokens, not a multiple of chunks."""
+    n = next(v for v in batch.values() if v.dim() > 0).shape[0]
+    if n < chunks:
+        raise ValueError(f"{n} rows cannot fill {chunks} micro-steps (steps_per_generation)")
+    bounds = [n * i // chunks for i in range(chunks + 1)]
+    return [
+        {k: v[a:b] if v.dim() > 0 else v for k, v in batch.items()} for a, b in itertools.pairwise(bounds)
+    ]
 
 
 def completion_logits(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:  # -> [B, T, V]
@@ -156,6 +185,21 @@ def completion_logits(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tenso
         logits_to_keep=t + 1,
     )
     return out.logits[:, :t]
+
+
+@contextlib.contextmanager
+def _rewards_not_gathered() -> Iterator[None]:
+    """TRL 1.16's `GRPOTrainer._calculate_rewards` ends with accelerate's `gather(rewards_per_func)`
+    (trl/trainer/grpo_trainer.py, "Gather the reward per function"): an all-gather of equal-sized
+    per-process tensors, TRL's layout. With several processes a rank's share here is whole groups of any
+    size, gathered by `trl_ranks.gather_rewards` instead; so for that one call TRL's module-level `gather`
+    is the identity."""
+    gather = _trl_grpo.gather
+    _trl_grpo.gather = lambda tensor: tensor
+    try:
+        yield
+    finally:
+        _trl_grpo.gather = gather
 
 
 # ---- reading the dataloader ahead -------------------------------------------------------------------
@@ -270,11 +314,7 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             optimizers=optimizers,
             **kwargs,
         )
-        late = []
-        if self.accelerator.num_processes > 1:
-            late.append(
-                f"{self.accelerator.num_processes} processes: MaskrollGRPOTrainer runs on one process"
-            )
+        late = self._rank_refusals()
         if self.aux_loss_enabled:
             late.append("router_aux_loss_coef: the MoE load-balancing loss is not part of maskroll's loss")
         if late:
@@ -288,12 +328,22 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             top_k=self.top_k,
             logprobs_k=maskroll.logprobs_k,
         )
-        self._source: _Source | None = None
+        # The ranks (accelerate launch --num_processes W): objects through a gloo group, the loss's global
+        # denominators through the default group; one process: the same code path, no torch.distributed.
+        if self.accelerator.num_processes > 1:
+            from maskroll.trainer_adapter.distributed import TorchCollective, torch_world
+
+            self._collective, self._world = TorchCollective(), torch_world()
+        else:
+            self._collective, self._world = single_process(), None
+        self._opened = False  # the source (rank 0) and the publisher (every rank) are open
+        self._source: _Source | None = None  # rank 0's; None on the other ranks
         self._publisher: Publisher | None = None  # made with the source; owns the policy version
         self._held: tuple[str, int] | None = None  # (run, version) the model holds when the source closed
         self._run_taken = False
-        # Counts for reports (rollouts unless named): trained, confirmed, completion tokens, the
-        # rollout source's stale resubmissions and foreign drops; replicas of the last batch.
+        # Counts for reports (rollouts unless named): trained (this rank's), confirmed (rank 0 confirms the
+        # global batch: 0 on the other ranks), completion tokens (this rank's), the rollout source's stale
+        # resubmissions and foreign drops (rank 0's); replicas of this rank's last batch.
         self.rollout_counts = {"received": 0, "acked": 0, "tokens": 0, "stale_resubmitted": 0, "foreign": 0}
         self.last_replicas: dict[str, int] = {}
         self._unacked: list[list] = []  # per generation batch: the groups its micro-steps train on
@@ -301,9 +351,41 @@ class MaskrollGRPOTrainer(GRPOTrainer):
         self._lookahead = _Lookahead(
             self.args.steps_per_generation * self.num_iterations,
             self._submit_generation_batch,
-            lambda rows: self._open_source().room() >= rows,
+            self._has_room,
         )
         self.add_callback(_AfterStep(self))
+
+    def _rank_refusals(self) -> list[str]:
+        """Why these processes cannot train together (empty: one process, or DDP as supported)."""
+        w = self.accelerator.num_processes
+        if w == 1:
+            return []
+        out = []
+        kind = self.accelerator.distributed_type
+        if kind in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
+            out.append(
+                f"{w} processes under {kind.value}: MaskrollGRPOTrainer runs data-parallel under DDP "
+                "(accelerate launch --multi_gpu --num_processes N; on a machine without GPUs that is DDP "
+                "over gloo); a sharded model is published by weight_sync's RankedPublisher, but this "
+                "trainer is not tested under DeepSpeed or accelerate's FSDP"
+            )
+        if self.maskroll.redis_url is None:
+            out.append(
+                f"{w} processes with direct gRPC replicas: several processes need redis_url (rank 0 holds "
+                "the queue and scatters its batches)"
+            )
+        rows, g = self.args.per_device_train_batch_size * self.args.steps_per_generation, self.num_generations
+        if rows % g:
+            out.append(
+                f"per_device_train_batch_size × steps_per_generation = {rows} with {w} processes: each "
+                f"process's share of a generation batch must be whole groups of num_generations={g}"
+            )
+        if g < self.args.steps_per_generation:
+            out.append(
+                f"num_generations={g} < steps_per_generation={self.args.steps_per_generation} with {w} "
+                "processes: a process's share may be one group, fewer rows than its micro-steps"
+            )
+        return out
 
     @property
     def policy_version(self) -> int:
@@ -313,8 +395,10 @@ class MaskrollGRPOTrainer(GRPOTrainer):
 
     # ---- the rollout source's lifetime ----------------------------------------------------------
 
-    def _open_source(self) -> _Source:
-        if self._source is None:
+    def _open_source(self) -> _Source | None:
+        """Rank 0's rollout source (None on the other ranks), opened with the publisher on every rank (a
+        collective: every rank calls it at the same point)."""
+        if not self._opened:
             cfg = self.maskroll
             common = dict(
                 batch_size=self.args.generation_batch_size,
@@ -327,24 +411,32 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             if cfg.redis_url is not None:
                 # Reopened (evaluate after train, a second train): the run this trainer took up.
                 run = "resume" if self._run_taken else cfg.run
-                source = QueueSource(
-                    cfg.redis_url,
-                    cfg.namespace,
-                    run=run,
-                    partitions=cfg.partitions,
-                    reward_stage=cfg.rewards_from_records,
-                    **common,
-                )
+
+                def open_queue() -> None:  # rank 0 only: the one reader of the run
+                    self._source = QueueSource(
+                        cfg.redis_url,
+                        cfg.namespace,
+                        run=run,
+                        partitions=cfg.partitions,
+                        reward_stage=cfg.rewards_from_records,
+                        **common,
+                    )
+                    self._source.wait_for_replicas(cfg.min_replicas)
+
+                trl_ranks.main_answer(self._collective, open_queue)
                 self._run_taken = True
-                source.wait_for_replicas(cfg.min_replicas)
                 # A reopened stream publisher is told what the model holds (it keeps no copy on disk).
                 stream = cfg.weight_transport == "stream"
                 extra = {"resume_from_base": cfg.resume_from_base, "held": self._held} if stream else {}
+                if self._collective.world_size > 1:  # every rank publishes; only rank 0 holds the queue
+                    extra["collective"] = self._collective
+                queue = None if self._source is None else self._source.broadcaster
                 self._publisher = make_publisher(
-                    cfg.weight_transport, source.broadcaster, root=cfg.weights_root, keep=2, **extra
+                    cfg.weight_transport, queue, root=cfg.weights_root, keep=2, **extra
                 )
                 # The run's version on trainer and replicas: a resumed run loads its latest weights
-                # into the model; a new one publishes the model as version 0 to replicas serving others.
+                # into the model (rank 0's, sent to every rank); a new one publishes the model as
+                # version 0 to replicas serving others.
                 self._publisher.start(self.accelerator.unwrap_model(self.model))
             else:
                 source = GrpcSource(list(cfg.replicas), **common)
@@ -353,7 +445,8 @@ class MaskrollGRPOTrainer(GRPOTrainer):
                 self._publisher = make_publisher(
                     "directory", source.broadcaster, root=cfg.weights_root, keep=2
                 )
-            self._source = source
+                self._source = source
+            self._opened = True
         return self._source
 
     def close(self) -> None:
@@ -366,6 +459,7 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             self.rollout_counts["foreign"] += self._source.stats.foreign_dropped
             self._source.close()
             self._source = None
+        self._opened = False
 
     def train(self, *args, **kwargs):
         self._unacked, self._diagnose = [], None
@@ -376,7 +470,7 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             self.close()
 
     def evaluate(self, *args, **kwargs):
-        opened_here = self._source is None
+        opened_here = not self._opened
         try:
             return super().evaluate(*args, **kwargs)
         finally:
@@ -394,9 +488,21 @@ class MaskrollGRPOTrainer(GRPOTrainer):
         return [Job([int(t) for t in ids], rows[i * n : (i + 1) * n]) for i, ids in enumerate(prompt_ids)]
 
     def _submit_generation_batch(self, rows: list[dict]) -> None:
-        source = self._open_source()
-        for job in self._jobs(rows, self.num_generations):
-            source.submit(job)
+        """This rank's rows of a generation batch: the global batch's jobs, submitted by rank 0."""
+        self._open_source()
+        rows = trl_ranks.gather_rows(self._collective, rows)
+
+        def submit() -> None:
+            for job in self._jobs(rows, self.num_generations):
+                self._source.submit(job)
+
+        trl_ranks.main_answer(self._collective, submit)
+
+    def _has_room(self, rows: int) -> bool:
+        """Whether the queue admits the next generation batch (`rows` per rank): rank 0's answer."""
+        self._open_source()
+        w = self._collective.world_size
+        return trl_ranks.main_answer(self._collective, lambda: self._source.room() >= rows * w)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """This step's micro-batches from the read-ahead; then read ahead (and submit) while there is room."""
@@ -411,19 +517,37 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             self._lookahead.fill(len(samples[0]))
         return samples, self._get_num_items_in_batch(samples, device)
 
+    def _prepare_inputs(self, generation_batch):
+        """TRL's, but with several processes the generation batch is split by `split_rows` (shares of
+        whole groups differ in size between ranks; TRL's split would drop rows that are then acked)."""
+        if self._collective.world_size == 1 or not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        every = self.args.steps_per_generation
+        if self._step % (every * self.num_iterations) == 0 or self._buffered_inputs is None:
+            batch = shuffle_sequence_dict(self._generate_and_score_completions(generation_batch))
+            self._buffered_inputs = split_rows(batch, every)
+        return self._buffered_inputs[self._step % every]
+
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict[str, Tensor]:
         mode = "train" if self.model.training else "eval"
-        source = self._open_source()
+        self._open_source()
         if mode == "train":
-            taken = source.take(len(inputs), self.policy_version)
-            self._unacked.append([g for g, _ in taken])
+            # this rank's share of the global batch; rank 0 keeps the global batch's groups to confirm
+            taken, whole = trl_ranks.take_shares(
+                self._collective, self._source, len(inputs), self.policy_version
+            )
+            self._unacked.append(whole)
             records = [r for g, _ in taken for r in g]
             self.rollout_counts["received"] += len(records)
             self.rollout_counts["tokens"] += sum(r.num_tokens for r in records)
             self.last_replicas = dict(collections.Counter(r.replica_id for r in records))
-        else:  # evaluation: these very prompts, sampled now by one replica (never queued)
+        else:  # evaluation: these very prompts, sampled now by one replica (never queued), via rank 0
             n = self.num_generations_eval
-            taken = [(source.generate_now(job.prompt_ids, n), job) for job in self._jobs(inputs, n)]
+            jobs = self._jobs(inputs, n)
+            groups = trl_ranks.generate_on_main(
+                self._collective, self._source, [(j.prompt_ids, n) for j in jobs]
+            )
+            taken = list(zip(groups, jobs, strict=True))
         records = [r for g, _ in taken for r in g]
         rows = [job.rows[r.sample_index] for g, job in taken for r in g]
         return self._score(records, rows, mode)
@@ -439,15 +563,20 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             completions = [[{"role": "assistant", "content": t}] for t in texts]
         else:
             completions = texts
-        rewards_per_func = self._calculate_rewards(rows, prompts, completions, completion_ids)
+        with _rewards_not_gathered():  # [B, F] of this rank's rows
+            rewards_per_func = self._calculate_rewards(rows, prompts, completions, completion_ids)
         n = self.num_generations if mode == "train" else self.num_generations_eval
+        # TRL's advantages over the global batch (every rank's share holds whole groups, in rank order),
+        # so batch-level scaling is the one process's; each rank keeps its own rows
+        everyone, mine = trl_ranks.gather_rewards(self._collective, rewards_per_func)
         adv, rewards, std_zero = trl_advantages(
-            rewards_per_func,
+            everyone,
             self.reward_weights.to(rewards_per_func.device),
             n,
             self.scale_rewards,
             self.multi_objective_aggregation,
         )
+        adv = adv[mine]
         b = collate(
             records,
             np.zeros(len(records)),  # advantages are TRL's (above), not collate's
@@ -469,12 +598,17 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             "topk_logprobs": b.topk_logprobs,
             "temperature": b.temperature,
             "advantages": adv.float(),
-            "num_items_in_batch": response_mask.sum(),
+            # the generation batch's completion tokens, all ranks' (TRL's dapo normaliser)
+            "num_items_in_batch": self._global_sum(response_mask.sum()),
         }
         if self.beta != 0.0:
             out["ref_logprobs"] = self._ref_logprobs(out)
-        self._log_generation(mode, records, prompts, completions, rewards_per_func, rewards, adv, std_zero)
+        self._log_generation(mode, records, prompts, completions, everyone, mine, rewards, adv, std_zero)
         return out
+
+    def _global_sum(self, x: Tensor) -> Tensor:
+        """x summed over the ranks (a collective with several); x itself with one process."""
+        return x if self._world is None else self._world.sum(x)
 
     @torch.no_grad()
     def _ref_logprobs(self, batch: dict[str, Tensor]) -> Tensor:  # [B, T]
@@ -494,7 +628,9 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             )
         return torch.cat(parts)
 
-    def _log_generation(self, mode, records, prompts, completions, rewards_per_func, rewards, adv, std_zero):
+    def _log_generation(self, mode, records, prompts, completions, everyone, mine, rewards, adv, std_zero):
+        """Lengths and staleness: this rank's records; rewards: the global batch's (TRL's logs gather
+        them too); the completions table: this rank's rows."""
         m = self._metrics[mode]
         lengths = torch.tensor([float(r.num_tokens) for r in records])
         if mode == "train":
@@ -505,8 +641,8 @@ class MaskrollGRPOTrainer(GRPOTrainer):
         m["completions/max_length"].append(lengths.max().item())
         m["completions/clipped_ratio"].append(float(np.mean([r.finish_reason == "length" for r in records])))
         for i, name in enumerate(self.reward_func_names):
-            m[f"rewards/{name}/mean"].append(torch.nanmean(rewards_per_func[:, i]).item())
-            m[f"rewards/{name}/std"].append(nanstd(rewards_per_func[:, i]).item())
+            m[f"rewards/{name}/mean"].append(torch.nanmean(everyone[:, i]).item())
+            m[f"rewards/{name}/std"].append(nanstd(everyone[:, i]).item())
         m["reward"].append(torch.nanmean(rewards).item())
         m["reward_std"].append(nanstd(rewards).item())
         m["frac_reward_zero_std"].append(std_zero.float().mean().item())
@@ -514,11 +650,12 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             stale = [float(staleness([r], self.policy_version)) for r in records]
             m["maskroll/staleness"].append(float(np.mean(stale)))
             m["maskroll/policy_version"].append(float(self.policy_version))
-            m["maskroll/stale_resubmitted"].append(float(self._source.stats.stale_resubmitted))
+            if self._source is not None:  # rank 0's
+                m["maskroll/stale_resubmitted"].append(float(self._source.stats.stale_resubmitted))
         self._logs["prompt"].extend(prompts)
         self._logs["completion"].extend(completions)
         for i, name in enumerate(self.reward_func_names):
-            self._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
+            self._logs["rewards"][name].extend(everyone[mine, i].tolist())
         self._logs["advantages"].extend(adv.tolist())
 
     # ---- the loss -----------------------------------------------------------------------------
@@ -539,11 +676,13 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             top_p=self._top_p,
             beta=self.beta,
             bias_correction_kl=self.args.use_bias_correction_kl,
+            world=self._world,
         )
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         if self.loss_type == "dapo":
-            # TRL's dapo: the token sum over the whole generation batch's tokens, per optimiser step.
-            tokens = inputs["response_mask"].sum().clamp_min(1)
+            # TRL's dapo: the token sum over the whole generation batch's tokens, per optimiser step
+            # (all ranks': maskroll_loss's world normalised by the micro-batch's global token count).
+            tokens = self._global_sum(inputs["response_mask"].sum()).clamp_min(1)
             per_step = inputs["num_items_in_batch"].clamp_min(1)
             if mode == "train":
                 per_step = per_step * accumulation / self.args.steps_per_generation
@@ -563,14 +702,19 @@ class MaskrollGRPOTrainer(GRPOTrainer):
         generate_every = self.args.steps_per_generation * self.num_iterations
         exhausted = self._step % generate_every == 0  # the buffered generation batch is used up
         done, self._unacked = (self._unacked, []) if exhausted else (self._unacked[:-1], self._unacked[-1:])
-        for groups in done:
-            self._source.done(groups)
-            self.rollout_counts["acked"] += sum(len(g) for g in groups)
+
+        def confirm() -> None:  # rank 0, once every rank has stepped: the global batches are trained
+            for groups in done:
+                self._source.done(groups)
+                self.rollout_counts["acked"] += sum(len(g) for g in groups)
+
+        trl_ranks.all_stepped(self._collective, confirm)
         if self._diagnose is not None:
             self._log_direction_agreement(*self._diagnose)
             self._diagnose = None
         if self.state.global_step % self.maskroll.publish_every == 0:
-            self._publisher.publish(self.accelerator.unwrap_model(self.model))  # the next version
+            # the next version; every rank calls it (rank 0 sends), every rank then holds its number
+            self._publisher.publish(self.accelerator.unwrap_model(self.model))
 
     @torch.no_grad()
     def _log_direction_agreement(self, batch: dict[str, Tensor], before: MaskResult) -> None:

@@ -2,9 +2,20 @@
 
 One step: take a batch of whole GRPO groups from the rollout queue (admission control keeps the next
 batches generating meanwhile, at most `max_staleness` versions behind) → rewards → `collate` (group
-advantages) → `token_logprobs` + `compute_masks` + `policy_loss` → optimiser step → ack → publish the new
-weights to every replica as the next policy version. Diagnostics on the side: the realised change of the
-divergence after the step, against each rule's predicted direction (docs/math.md §7).
+advantages) → `token_logprobs` + `compute_masks` + `policy_loss` → optimiser step → publish the new
+weights to every replica as the next policy version → ack the batch (after the publish: a trainer
+killed in between resumes at that version and acks the batch untrained, data_parallel.py). Diagnostics
+on the side: the realised change of the divergence after the step, against each rule's predicted
+direction (docs/math.md §7).
+
+Data-parallel: under `torchrun --nproc-per-node N -m maskroll.recipes.grpo_launch` the same `train`
+runs on N ranks (data_parallel.py: gloo on CPU, NCCL on GPUs). Rank 0 holds the queue and reads each
+global batch (`RankedQueue`: whole groups, split by tokens, scattered); every rank trains its share of
+a DDP model (or an FSDP2 one: `sharding="fsdp2"`) with the loss normalised over the global batch
+(`policy_loss(..., world=)`); rank 0 records the batch's rollout ids, every rank joins the publish
+(only rank 0 sends a plain model), then the ranks meet in `ack` and rank 0 acks — the order that keeps
+each record trained exactly once across a killed rank and an elastic restart (data_parallel.py). Rank
+0 evaluates, logs and prints.
 
 The run: `train(..., run="new")` (the default) starts a new training run on the namespace from
 `model_dir`'s weights — replicas still serving a previous run's weights are made to load these first
@@ -21,14 +32,21 @@ import collections
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 
-from maskroll.client import RolloutQueue, SamplingOptions, SyncRolloutClient, replicas_elsewhere
+from maskroll.client import (
+    RankedQueue,
+    RolloutQueue,
+    SamplingOptions,
+    SyncRolloutClient,
+    group_key,
+    replicas_elsewhere,
+)
 from maskroll.trainer_adapter import (
     MaskConfig,
     MaskResult,
@@ -40,14 +58,17 @@ from maskroll.trainer_adapter import (
 )
 from maskroll.trainer_adapter.collate import Batch
 from maskroll.trainer_adapter.distill import distill_advantages
-from maskroll.weight_sync import make_publisher
+from maskroll.weight_sync import CHECKPOINT_FILE, checkpoint_dir, make_publisher
 
-from . import digits
+from . import data_parallel, digits
 from .config import GRPOConfig
 
 
 @dataclass
 class StepLog:
+    """One step's figures. With several ranks, reward, staleness, tokens/s and replicas are the global
+    batch's; the mask, divergence, loss and agreement figures are rank 0's share."""
+
     step: int
     reward: float
     mask_frac: float
@@ -68,12 +89,34 @@ class StepLog:
     distill_kl: float | None = None  # with distillation: mean log π_a − log π_teacher(a) on the batch
 
 
-def _save_final(model, model_dir: Path, final_dir: Path) -> None:
-    """`model` as a Hugging Face model directory with `model_dir`'s tokenizer and generation config."""
+@dataclass(frozen=True)
+class StepEvent:
+    """What `train(step_hook=...)` is told at each point of a step, on every rank: point is "read"
+    (this rank holds its share), "trained" (its optimiser step is done), "published" (the version is
+    out) or "acked"; version: the last published version at that point; rollout_ids and groups: this
+    rank's share of the global batch."""
+
+    point: str
+    step: int
+    rank: int
+    version: int
+    rollout_ids: tuple[str, ...]
+    groups: tuple[str, ...]
+
+
+def _save_final(model, model_dir: Path, final_dir: Path, written: Path | None = None) -> None:
+    """`model` as a Hugging Face model directory with `model_dir`'s tokenizer and generation config;
+    written: a checkpoint directory holding its weights (a sharded model's last published version)."""
     import shutil
 
     final_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(final_dir, safe_serialization=True)
+    if written is None:
+        model.save_pretrained(final_dir, safe_serialization=True)
+    else:
+        model.config.save_pretrained(final_dir)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(final_dir)
+        shutil.copy2(Path(written) / CHECKPOINT_FILE, final_dir / "model.safetensors")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (Path(model_dir) / name).is_file():
             shutil.copy2(Path(model_dir) / name, final_dir / name)
@@ -215,8 +258,12 @@ def train(
     distill_weight: float | None = None,
     distill_rl: bool = False,
     final_dir: Path | None = None,
-) -> dict:
-    """Train against the replicas of `namespace`; returns the run's summary (rewards, steps, versions).
+    sharding: data_parallel.Sharding = "ddp",
+    steps_total: bool = False,
+    step_hook: Callable[[StepEvent], None] | None = None,
+) -> dict | None:
+    """Train against the replicas of `namespace`; returns the run's summary (rewards, steps, versions)
+    on rank 0, None on the other ranks. Under torchrun every rank calls it with the same arguments.
     reward_stage: the rollouts are scored by a reward stage (`maskroll reward` with
     digits.digit_reward_fn) and arrive with their rewards, instead of being scored here.
     run: "new" starts a training run from `model_dir`'s weights, "resume" continues the namespace's run
@@ -227,9 +274,70 @@ def train(
     distill_weight: on-policy distillation from the teacher scores the records carry (the teacher stage,
     `maskroll teacher`): the per-token advantage is λ·(log π_teacher(a) − log π_a), plus the group's RL
     advantage when `distill_rl` (docs/math.md §10.1). final_dir: write the final policy there as a
-    Hugging Face model directory (with `model_dir`'s tokenizer)."""
+    Hugging Face model directory (with `model_dir`'s tokenizer). sharding: with several ranks, "ddp"
+    (each rank holds the model) or "fsdp2" (`fully_shard`: each holds 1/W; data_parallel.wrap).
+    steps_total: `cfg.steps` is the run's length in versions, so a resumed run at version v trains
+    cfg.steps − v more steps (an elastic restart, grpo_launch.py); False: cfg.steps more steps.
+    step_hook: called with a StepEvent on every rank at each point of each step — progress reporting,
+    and the fault-injection tests of exactly-once (tests/learner)."""
+    collective, world, owned = data_parallel.init_ranks()
+    try:
+        return _train(
+            cfg,
+            collective,
+            world,
+            redis_url=redis_url,
+            namespace=namespace,
+            model_dir=model_dir,
+            weights_root=weights_root,
+            min_replicas=min_replicas,
+            run=run,
+            weight_transport=weight_transport,
+            reward_stage=reward_stage,
+            task=task,
+            distill_weight=distill_weight,
+            distill_rl=distill_rl,
+            final_dir=final_dir,
+            sharding=sharding,
+            steps_total=steps_total,
+            step_hook=step_hook or (lambda event: None),
+        )
+    finally:
+        if owned:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _train(
+    cfg: GRPOConfig,
+    collective,
+    world,
+    *,
+    redis_url: str,
+    namespace: str,
+    model_dir: Path,
+    weights_root: Path,
+    min_replicas: int,
+    run: Literal["new", "resume"],
+    weight_transport: Literal["stream", "directory"],
+    reward_stage: bool,
+    task,
+    distill_weight: float | None,
+    distill_rl: bool,
+    final_dir: Path | None,
+    sharding: data_parallel.Sharding,
+    steps_total: bool,
+    step_hook: Callable[[StepEvent], None],
+) -> dict | None:
     import transformers
 
+    ranks, main = collective.world_size, collective.rank == 0
+    if cfg.prompts_per_step < ranks:
+        raise ValueError(
+            f"GRPOConfig.prompts_per_step={cfg.prompts_per_step} with {ranks} trainer ranks: every rank "
+            "trains whole groups, so a step needs at least one prompt (group) per rank"
+        )
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)
@@ -241,23 +349,37 @@ def train(
 
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    model.to(data_parallel.device()).train()
     auth = grpc_auth()
-    with RolloutQueue(
+    with RankedQueue(
+        collective,
         redis_url,
         namespace,
         run=run,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.batch_size,  # the global batch: W ranks take the step one process would
         max_staleness=cfg.max_staleness,
         reward_stage=reward_stage,
         **auth,
-    ) as q:
-        eval_address = wait_for_replicas(q, min_replicas)[0].address
-        publisher = make_publisher(weight_transport, q, root=weights_root, keep=2)
-        publisher.start(model)  # every replica now samples from the run's current weights (and `model` too)
-        reward_before = evaluate(eval_address, eval_prompts, cfg, task)
-        print(f"  held-out reward before training: {reward_before:.3f}", flush=True)
+    ) as rq:
+        q = rq.queue  # rank 0's RolloutQueue; None on the other ranks
+        eval_address = wait_for_replicas(q, min_replicas)[0].address if main else None
+        # ranks > 0 hold no queue; with several ranks every rank joins each publish (a collective)
+        publisher = make_publisher(
+            weight_transport,
+            q,
+            root=weights_root,
+            keep=2,
+            **({"collective": collective} if ranks > 1 else {}),
+        )
+        trained = data_parallel.wrap(model, ranks, sharding)  # DDP's wrapper, or `model` sharded in place
+        # every replica now samples from the run's current weights, and every rank's `model` holds them
+        publisher.start(model)
+        if main and run == "resume":  # killed between publish and ack: the last version's batch is trained
+            rq.skip_trained(data_parallel.read_trained(weights_root, q.policy_version, q.run_id))
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)  # after wrap: FSDP2 replaces the parameters
+        reward_before = evaluate(eval_address, eval_prompts, cfg, task) if main else None
+        if main:
+            print(f"  held-out reward before training: {reward_before:.3f}", flush=True)
 
         def top_up() -> None:  # admission control: at most (max_staleness + 1) × batch in flight
             while (q.room() or 0) >= cfg.n:
@@ -265,20 +387,32 @@ def train(
                 q.submit(ids, opts, n=cfg.n, metadata={**meta, **task_meta})
 
         meta = {"max_tokens": str(cfg.max_tokens)}  # what digit_reward_fn needs, in every record
-        top_up()
+        if main:
+            top_up()
         history: list[StepLog] = []
         tokens_total, t_train = 0, time.monotonic()
-        for step in range(1, cfg.steps + 1):
+        first = q.policy_version + 1 if main and steps_total else 1  # steps_total: the run's versions
+        first = int(collective.broadcast(first))
+        for step in range(first, cfg.steps + 1):
             t0 = time.monotonic()
-            batch = q.next_batch(timeout=300)
-            top_up()  # generation of the next batch overlaps with this step
+            # this rank's share of the global batch; rank 0 keeps topping up while it waits
+            batch = rq.next_batch(timeout=300, refill=top_up if main else None)
+            ids, groups = tuple(r.rollout_id for r in batch), tuple(group_key(r) for r in batch)
+
+            def hook(point: str, step: int = step, ids: tuple = ids, groups: tuple = groups) -> None:
+                step_hook(StepEvent(point, step, collective.rank, publisher.version, ids, groups))
+
+            hook("read")
+            if main:
+                top_up()  # generation of the next batch overlaps with this step
             if reward_stage:  # scored on the rollout side; collate reads the records' rewards
                 b = collate(batch)
                 rewards = [r.reward for r in batch]
             else:
                 rewards = [task.reward(r) for r in batch]
                 b = collate(batch, rewards)
-            logits = completion_logits(model, b)
+            b = b.to(data_parallel.device())
+            logits = completion_logits(trained, b)
             lp, stats = token_logprobs(logits, b.completion_ids, temperature=b.temperature, return_stats=True)
             res = masks(logits.detach(), b, mask_cfg, vocab_stats=stats)
             adv, kl = b.advantages, None
@@ -290,23 +424,46 @@ def train(
                     lp, b.teacher_sampled_logprobs, rl, weight=distill_weight, response_mask=b.response_mask
                 )
                 kl = scalar((lp.detach() - b.teacher_sampled_logprobs)[b.response_mask].mean())
-            loss, m = policy_loss(lp, b.sampled_logprobs, adv, res.keep, masks=res, config=mask_cfg)
+            # world: normalised over the global batch, so DDP's gradient average is one process's step
+            loss, m = policy_loss(
+                lp, b.sampled_logprobs, adv, res.keep, masks=res, config=mask_cfg, world=world
+            )
             opt.zero_grad()
             loss.backward()
             opt.step()
+            hook("trained")
             agree = realised_agreement(model, b, mask_cfg, res)
-            q.ack(batch)  # at-least-once: ack after the step
+            # Exactly-once: the batch's ids are written before the version that trains on them is
+            # published, and the records are acked after it (data_parallel.py says why in this order).
+            if main:
+                data_parallel.record_trained(weights_root, publisher.version + 1, q.run_id, rq.global_batch)
             publisher.publish(model)  # one optimiser step = one policy version; raises if no replica took it
+            hook("published")
+            rq.ack(batch)  # every rank has stepped; rank 0 acks the global batch
+            hook("acked")
             version = publisher.version
-            tokens_total += int(b.response_mask.sum())
+            staleness = (version - 1 - b.policy_versions).double()
+            shares = collective.all_gather(
+                (
+                    sum(rewards),
+                    len(rewards),
+                    int(b.response_mask.sum()),
+                    scalar(staleness.sum()),
+                    collections.Counter(r.replica_id for r in batch),
+                )
+            )
+            if not main:
+                continue
+            records = sum(sh[1] for sh in shares)
+            tokens_total += sum(sh[2] for sh in shares)
             log = StepLog(
                 step=step,
-                reward=float(np.mean(rewards)),
+                reward=sum(sh[0] for sh in shares) / records,
                 mask_frac=scalar(m["mask_frac"]),
                 far_frac=scalar(m["far_frac"]),
                 divergence_mean=scalar(m["divergence_mean"]),
                 mismatch_kl=scalar(m["mismatch_kl"]),
-                staleness=scalar((version - 1 - b.policy_versions).double().mean()),
+                staleness=sum(sh[3] for sh in shares) / records,
                 policy_version=version,
                 tokens_per_s=tokens_total / (time.monotonic() - t_train),
                 loss=scalar(loss),
@@ -316,11 +473,14 @@ def train(
                 agree_predictive_all=scalar(agree["predictive"]["agree_all"]),
                 disagreement_frac_far=scalar(agree["_sets"]["disagreement_frac_far"]),
                 seconds=time.monotonic() - t0,
-                replicas=dict(collections.Counter(r.replica_id for r in batch)),
+                replicas=dict(sum((sh[4] for sh in shares), collections.Counter())),
                 distill_kl=kl,
             )
             history.append(log)
             print(progress(step, cfg.steps, log), flush=True)
+        publisher.close()  # a StreamPublisher's follower thread uses the queue, which closes next
+        if not main:
+            return None
         reward_after = evaluate(eval_address, eval_prompts, cfg, task)
         print(
             f"  held-out reward after training: {reward_after:.3f} (before: {reward_before:.3f})", flush=True
@@ -330,8 +490,11 @@ def train(
             with SyncRolloutClient(rep.address, **auth) as c:
                 replica_versions[rep.replica_id] = c.info().policy_version
         if final_dir is not None:  # the final policy as a Hugging Face model directory
-            _save_final(model, model_dir, final_dir)
-        publisher.close()  # a StreamPublisher's follower thread uses the queue, which closes next
+            # a sharded model is whole only in the last version's file, which the publish wrote
+            last = (
+                checkpoint_dir(weights_root, publisher.version) if sharding == "fsdp2" and ranks > 1 else None
+            )
+            _save_final(model, model_dir, final_dir, written=last)
         q.cancel_pending_jobs()  # prompts no replica started would only be refused by the next run
         queue_stats = asdict(q.stats)
     return {
@@ -341,4 +504,5 @@ def train(
         "steps": [asdict(h) for h in history],
         "replica_versions": replica_versions,
         "queue": queue_stats,
+        "trainer_ranks": ranks,
     }

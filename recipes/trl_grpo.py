@@ -5,10 +5,17 @@ The same toy task (`digits`), model, replicas and mask as `grpo.py`, but the loo
 function, a `trl.GRPOConfig`, and a `MaskrollConfig` naming the queue, the weights root and the mask.
 Returns the same summary as `grpo.train` (per-step rewards, mask and divergence statistics, realised
 direction agreement, held-out reward before and after, the replicas' versions), read from TRL's logs.
+
+Data-parallel (`maskroll demo --trainer trl --trainer-ranks N`): `train_ranks` runs `main` on N local
+processes (torchrun, as `accelerate launch --multi_gpu --num_processes N` does; gloo on CPU), each rank
+`train` with the run file's arguments; rank 0 reads the queue, evaluates, prints and returns the summary.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import random
 import time
 from dataclasses import asdict
@@ -23,6 +30,8 @@ from maskroll.integrations.trl import MaskrollConfig, MaskrollGRPOTrainer
 from . import digits
 from .config import GRPOConfig
 from .grpo import StepLog, evaluate, grpc_auth, progress, wait_for_replicas
+from .grpo_launch import read_config, write_config
+from .launch import run_ranks
 
 # TRL log key → StepLog field (the `maskroll/*` keys are MaskrollGRPOTrainer's)
 LOG_KEYS = {
@@ -61,11 +70,13 @@ def train(
     out_dir: Path | None = None,
     weight_transport: Literal["stream", "directory"] = "stream",
     reward_stage: bool = False,
-) -> dict:
+) -> dict | None:
     """Train against the replicas of `namespace` with MaskrollGRPOTrainer; returns grpo.train's summary.
     weight_transport: "stream" pushes each version over gRPC (weights_root: the trainer's own copy),
     "directory" writes it under weights_root, the replicas' --weights-root. reward_stage: the records
-    arrive scored by a reward stage (digits.digit_reward_fn; MaskrollConfig.rewards_from_records)."""
+    arrive scored by a reward stage (digits.digit_reward_fn; MaskrollConfig.rewards_from_records).
+    Under a launcher with WORLD_SIZE = W > 1 (`train_ranks`), each rank trains cfg.batch_size / W rows
+    of every step; rank 0 returns the summary, the other ranks None."""
     import transformers
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -85,11 +96,18 @@ def train(
     def digit_reward(completion_ids, **_) -> list[float]:
         return [digits.digit_reward(ids, cfg.max_tokens) for ids in completion_ids]
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's ranks (TRL's GRPOConfig reads it too)
+    if cfg.prompts_per_step % world:
+        raise ValueError(
+            f"prompts_per_step={cfg.prompts_per_step} on {world} ranks: each rank trains whole groups of "
+            "the same number of prompts per step (TRL's per-device batch), so ranks must divide it"
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     args = TRLConfig(
         output_dir=str(out_dir or Path(weights_root).parent / "trl"),
-        per_device_train_batch_size=cfg.batch_size,  # one optimiser step = one generation batch
+        # one optimiser step = one generation batch of cfg.batch_size rollouts, over all ranks
+        per_device_train_batch_size=cfg.batch_size // world,
         num_generations=cfg.n,
         max_completion_length=cfg.max_tokens,
         temperature=cfg.temperature,
@@ -105,6 +123,7 @@ def train(
         disable_tqdm=True,
         seed=cfg.seed,
         use_cpu=True,
+        bf16=False,  # TRL defaults to bf16 autocast, meant for GPUs; grpo.py trains in float32
     )
     auth = grpc_auth()
     maskroll = MaskrollConfig(
@@ -135,7 +154,7 @@ def train(
 
     class Progress(transformers.TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if not logs or "loss" not in logs:
+            if not logs or "loss" not in logs or not state.is_world_process_zero:
                 return
             now = time.monotonic()
             tokens = trainer.rollout_counts["tokens"]
@@ -153,6 +172,10 @@ def train(
 
     trainer.remove_callback(transformers.PrinterCallback)  # our progress line replaces its log dicts
     trainer.add_callback(Progress())
+    main = trainer.accelerator.is_main_process
+    if not main:  # rank 0 opens the run and evaluates; the others wait for it inside train()
+        trainer.train()
+        return None
     # This opens the run (new or resumed); the trainer then resumes it when train() connects.
     with RolloutQueue(redis_url, namespace, run=run, **auth) as q:
         eval_address = wait_for_replicas(q, min_replicas)[0].address
@@ -174,3 +197,36 @@ def train(
         "replica_versions": replica_versions,
         "queue": trainer.rollout_counts,
     }
+
+
+def train_ranks(cfg: GRPOConfig, *, ranks: int, log: Path, **train_args) -> dict:
+    """`train(cfg, **train_args)` on `ranks` local processes (torchrun; DDP over gloo on CPU); rank 0's
+    summary. The run file and the summary go beside `log` (the ranks' output)."""
+    if cfg.prompts_per_step % ranks:
+        raise ValueError(
+            f"--trainer trl on {ranks} ranks needs --prompts-per-step divisible by {ranks} (got "
+            f"{cfg.prompts_per_step}): TRL gives every rank the same number of prompts per step"
+        )
+    result = log.with_name("trainer-summary.json")
+    result.unlink(missing_ok=True)
+    config = write_config(log.with_name("trainer-run.json"), cfg, result=result, **train_args)
+    run_ranks(ranks, __name__, ["--config", config], log=log)
+    return json.loads(result.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank: `train` as the run file (`grpo_launch.write_config`) says; rank 0 writes the summary."""
+    p = argparse.ArgumentParser(prog="maskroll.recipes.trl_grpo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=Path, required=True, help="the run file (grpo_launch.write_config)")
+    a = p.parse_args(argv)
+    cfg, train_args, _, result = read_config(a.config)
+    summary = train(cfg, **train_args)
+    if summary is not None:  # rank 0
+        tmp = result.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=2))
+        os.replace(tmp, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
