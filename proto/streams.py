@@ -17,6 +17,9 @@ finished stream {"r": RolloutRecord} of jobs scored by a reward stage (maskroll.
 dead letters   {"stream", "id", "reason", "payload"} for entries no consumer could decode or use
                 (a capped stream: the newest DEAD_LETTER_MAXLEN are kept for inspection)
 run            a hash: the training run that owns the namespace (client/runs.py, docs/records.md)
+session:<id>, session-lease:<id>, session-done:<id>
+               an agent session's state, its one-call lease and its finish answer (partition 0;
+               server/http_api/session_redis.py)
 """
 
 from __future__ import annotations
@@ -97,6 +100,23 @@ class PartitionKeys:
         """Sorted set of rollout ids the reward stage has published, scored by time: a duplicate record
         (a reclaimed, regenerated job) is published to the rollout stream once (`forward`)."""
         return f"{self.prefix}:scored"
+
+    # Agent sessions (server/http_api/session_redis.py) live in partition 0, the slot of the rollout
+    # stream their records go to (and of its named streams `<rollouts>:<suffix>`), so that a finish
+    # publishes and marks the session finished in one script, also on a Redis Cluster.
+    def session(self, session_id: str) -> str:
+        """Hash: an open agent session's state between turns (header, record in progress, turn count);
+        expires session_idle_s after its last turn."""
+        return f"{self.prefix}:session:{session_id}"
+
+    def session_lease(self, session_id: str) -> str:
+        """String: the owner token of the one call running on a session, fleet-wide (SET NX PX)."""
+        return f"{self.prefix}:session-lease:{session_id}"
+
+    def session_done(self, session_id: str) -> str:
+        """Hash: a finished session's answer (its record and stream), so that a finish retried on any
+        replica answers the same without publishing again; expires like the session."""
+        return f"{self.prefix}:session-done:{session_id}"
 
 
 @dataclass(frozen=True)

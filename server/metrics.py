@@ -71,6 +71,21 @@ class Metrics:
             "Bytes kept for finished sessions, so that a retried finish gets its answer again",
             registry=r,
         )
+        self.sessions_open = Gauge(
+            "maskroll_sessions_open", "Agent sessions held in this replica's memory (its cache)", registry=r
+        )
+        self.session_turns = Counter(
+            "maskroll_session_turns",
+            "Session turns recorded, by where the session came from: local (this replica's cache), moved "
+            "(loaded from Redis: served by another replica before, or this replica's copy was stale), new",
+            ["source"],
+            registry=r,
+        )
+        self.session_reprefill_tokens = Counter(
+            "maskroll_session_reprefill_tokens",
+            "Tokens of moved sessions' stored trajectories prefilled again (no local prefix cache)",
+            registry=r,
+        )
 
     def rpc_done(self, method: str, code: str, seconds: float) -> None:
         self.requests.labels(method, code).inc()

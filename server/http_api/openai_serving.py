@@ -11,7 +11,11 @@ the client is shown.
 
 A call with a session (`sessions.Session`) marks it busy from planning until `Call.close()` (the end of
 its run, or its response given up); the turn joins the trajectory only when it finished ("stop" /
-"length"). `finish_session` assembles the trajectory into one record and publishes it. Drain: like the
+"length"). `finish_session` assembles the trajectory into one record and publishes it. With Redis
+(`session_redis`), a session is the namespace's, not this replica's: a call takes the session's lease
+(409 while a call holds it anywhere), loads the state when this replica's copy is not the latest (the
+session moved: its stored ids are prefilled again, never re-tokenized), and saves the state before the
+turn's last piece goes out; a finish publishes and marks the session finished in one script. Drain: like the
 gRPC servicer, this refuses new calls (UNAVAILABLE) once draining and can abort every running choice.
 Knows nothing of HTTP or FastAPI.
 """
@@ -38,13 +42,14 @@ from ..config import ServerConfig
 from ..engines.contract import Engine
 from ..generation import validation
 from ..generation.pipeline import Generation, Pipeline
-from ..grpc_api.errors import FailedPrecondition, InvalidArgument, Unavailable, shown
+from ..grpc_api.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable, shown
 from ..metrics import Metrics
 from ..pull.publisher import PublishTimeout, RolloutPublisher
 from ..running import Running
 from . import openai_compat as oa
 from .chat import ChatFormat, parse_tool_calls
 from .errors import NotFound, RetryLater
+from .session_redis import Lease, LeaseLost, SessionRedis
 from .sessions import Plan, Session, SessionStore, check_id, ids_array
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -167,11 +172,17 @@ class Call:
     session: Session | None = None
     plan: Plan | None = None
     created: int = field(default_factory=oa.now)
+    lease: Lease | None = None  # the session's fleet-wide lease (with Redis)
+    source: str = ""  # where the session came from: "local" (this replica's copy), "moved", "new"
+    reprefill: int = 0  # moved: the stored tokens the engine prefills again
 
     def close(self) -> None:
         """Free the session for its next call (idempotent). Called when the run ends and by the HTTP
         layer whatever happens to the response; __del__ too, so a response dropped before its stream
         ever started cannot leave the session busy for good."""
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.close()
         s, self.session = self.session, None
         if s is not None and s.busy == self.id:
             s.busy = None
@@ -247,6 +258,12 @@ class OpenAIServing:
             max_tokens=config.max_session_tokens,
             finished_bytes=int(config.session_answer_mb * (1 << 20)),
         )
+        # With Redis, sessions are the namespace's (any replica serves a turn); the store above caches them.
+        self.durable: SessionRedis | None = None
+        if publisher is not None:
+            self.durable = SessionRedis(
+                publisher.redis, self.keys.part(0), ttl_s=config.session_idle_s, cluster=self.keys.cluster
+            )
         self.model_name = Path(engine.model_id).name or engine.model_id
         self._running = Running()
 
@@ -323,12 +340,8 @@ class OpenAIServing:
     async def _prepare(self, call: Call, req, session_hdr, plan_of, max_tokens, default_max) -> Call:
         """Plan the prompt (against the session, if any), validate, and make one Generation per choice.
         The session is marked busy here and freed by call.close() (here, on an error)."""
-        session = None
-        if session_hdr is not None:
-            session = self.sessions.open(*session_hdr)
-            session.busy = call.id
-        call.session = session
         try:
+            session = await self._open(call, *session_hdr) if session_hdr is not None else None
             # Templating and tokenization: off the event loop (their cost grows with the text).
             plan = await self.chat.off_loop(plan_of, session if session is not None else _Scratch())
             prompt = plan.prompt_ids
@@ -353,8 +366,34 @@ class OpenAIServing:
             call.plan = plan
             return call
         except BaseException:
-            self._release(call)
+            await self._end(call)
             raise
+
+    async def _open(self, call: Call, session_id: str, group_id: str) -> Session:
+        """The session a call continues, marked busy by it (and with Redis, leased: call.lease)."""
+        if self.durable is None:
+            s = self.sessions.open(session_id, group_id)
+            s.busy, call.session, call.source = call.id, s, "local" if s.turns else "new"
+            return s
+        check_id(session_id)
+        local = self.sessions.peek(session_id)
+        if local is not None and local.busy:
+            raise AlreadyExists(f"session {session_id!r} has a call running; a session's calls take turns")
+        with _redis_unreachable("the call was not run; send it again later"):
+            call.lease = await self.durable.lease(session_id)
+            s, call.source = await self._latest(session_id, local)
+        if s is None:
+            s, call.source = Session(session_id, group_id, 0.0), "new"
+        elif call.source == "moved":
+            call.reprefill = len(s.current())
+        if group_id and group_id != s.group_id:
+            raise InvalidArgument(
+                f"X-Maskroll-Group {group_id!r} differs from session {session_id!r}'s group {s.group_id!r}"
+            )
+        self.sessions.put(s)  # 429 when a new one would pass max_sessions
+        s.busy, call.session = call.id, s
+        self.metrics.sessions_open.set(len(self.sessions))
+        return s
 
     # ---- running a call --------------------------------------------------------------------------
 
@@ -368,14 +407,16 @@ class OpenAIServing:
             async with contextlib.aclosing(_merged(call.runs)) as pieces:
                 async for piece in pieces:
                     tracker.tokens(len(piece.token_ids))
-                    if piece.finished and call.session is not None:
-                        self._record_turn(call, call.runs[piece.index])
+                    recorded = piece.finished and call.session is not None
+                    if recorded and self._record_turn(call, call.runs[piece.index]) and self.durable:
+                        # Before the client sees the turn end: its next call may go to any replica.
+                        await self._save_turn(call)
                     yield piece
         finally:
             tracker.done()
             for r in call.runs:
                 self._running.discard(r.gen)
-            self._release(call)
+            await self._end(call)
 
     def _release(self, call: Call) -> None:
         """The call is over: its session is free again, or gone if no turn of it was ever recorded (a
@@ -384,10 +425,39 @@ class OpenAIServing:
         call.close()
         if s is not None and not s.turns and not s.busy:
             self.sessions.discard(s)
+        self.metrics.sessions_open.set(len(self.sessions))
 
-    def _record_turn(self, call: Call, run: ChoiceRun) -> None:
+    async def _end(self, call: Call) -> None:
+        """_release, and the session's lease given back before the response ends: the agent's next call,
+        on any replica, must not find it still held."""
+        lease, call.lease = call.lease, None
+        self._release(call)
+        if lease is not None:
+            await lease.release()
+
+    async def _save_turn(self, call: Call) -> None:
+        """Save the session after its new turn (fenced by the call's lease). If that fails, this replica's
+        copy is dropped too — the fleet's state is the one before the turn, which the agent's retry of the
+        call redoes — and the call answers 503."""
+        s = call.session
+        try:
+            await self.durable.save(call.lease, s)
+        except BaseException as exc:
+            self.sessions.discard(s)
+            if isinstance(exc, (LeaseLost, *REDIS_DOWN)):
+                raise RetryLater(
+                    f"session {s.id!r}: the turn could not be saved ({type(exc).__name__}: {exc}); it is "
+                    "not part of the session: send the call again"
+                ) from None
+            raise
+
+    def _record_turn(self, call: Call, run: ChoiceRun) -> bool:
+        """Add a finished choice's turn to the call's session; whether it was (an aborted one is not)."""
         if run.record.finish_reason not in ("stop", "length"):
-            return  # aborted (drain): the agent's turn did not happen
+            return False  # aborted (drain): the agent's turn did not happen
+        self.metrics.session_turns.labels(call.source or "local").inc()
+        if call.source == "moved":
+            self.metrics.session_reprefill_tokens.inc(call.reprefill)
         if call.kind == "chat":
             content, calls, _ = call.reply(run)
             reply = {"role": "assistant", "content": content}
@@ -400,6 +470,7 @@ class OpenAIServing:
         else:
             text = None if call.prompt_text is None else call.prompt_text + run.text
             call.session.add_turn(call.plan, run.record, stop_token=run.stop_token, text=text)
+        return True
 
     async def collect(self, call: Call) -> None:
         """Run a call to its end (non-streaming responses read the runs' records and texts after)."""
@@ -412,6 +483,8 @@ class OpenAIServing:
     async def finish_session(self, session_id: str, body: object) -> dict:
         """Close a session: its trajectory as one record, published when this replica has Redis."""
         check_id(session_id)
+        if self.durable is not None:
+            return await self._finish_durable(session_id, body)
         done = self.sessions.finished(session_id)
         if done is not None and session_id not in self.sessions:
             # A retried finish: the same answer (rebuilt from the record kept), nothing published twice.
@@ -426,21 +499,7 @@ class OpenAIServing:
             stream = validation.rollout_stream(req.rollout_stream, self.keys)
         elif req.rollout_stream:
             raise FailedPrecondition("rollout_stream needs a server started with redis_url")
-        rec = s.record(
-            metadata={"session_id": session_id, **req.metadata},
-            group_size=req.group_size,
-            sample_index=req.sample_index,
-            replica_id=self.config.replica_id,
-            now=time.time(),
-        )
-        if stream is not None and not rec.run_id:
-            raise FailedPrecondition(
-                f"session {session_id!r} was sampled from weights of no training run: this replica serves "
-                "its starting weights and no trainer has started a run on them yet, so every trainer would "
-                "refuse (dead-letter) the record; it was not published. Start the trainer first "
-                "(RolloutQueue(run='new') and publisher.start(model): replicas holding the model adopt the "
-                "run's version 0, the others load it), then run the episode again (DELETE this session)"
-            )
+        rec = self._session_record(s, session_id, req, stream)
         s.busy = "finish"  # no call may start while the record is published
         try:
             if stream is not None:
@@ -452,6 +511,7 @@ class OpenAIServing:
         data = wire.encode_record(rec)
         self.sessions.close(session_id, (data, stream), size=len(data))
         self.metrics.session_answers.set(self.sessions.finished_held)
+        self.metrics.sessions_open.set(len(self.sessions))
         return answer
 
     async def _publish(self, rec: RolloutRecord, stream: str) -> None:
@@ -471,10 +531,117 @@ class OpenAIServing:
                 "session is kept: finish it again later"
             ) from None
 
-    def delete_session(self, session_id: str) -> dict:
+    async def _latest(self, session_id: str, local: Session | None) -> tuple[Session | None, str]:
+        """(the session's latest state, where it came from: "local" | "moved"), or (None, "new") when no
+        episode is open; under the session's lease."""
+        stored, ended = await self.durable.status(session_id)
+        if stored and local is not None and local.seq == stored:
+            return local, "local"
+        if stored and (loaded := await self.durable.load(session_id)) is not None:
+            return loaded, "moved"
+        if not stored and not ended and local is not None and local.turns:
+            # Redis lost it (a restart without persistence) or expired it a moment before this replica
+            # would have: the copy held here is the latest there is; the next save stores it again.
+            local.seq = 0
+            return local, "local"
+        if local is not None and not local.turns:
+            return local, "new"
+        return None, "new"  # a copy held here of an episode finished or deleted elsewhere is stale
+
+    async def _finish_durable(self, session_id: str, body: object) -> dict:
+        """finish_session with Redis: under the session's lease, answer from its finished marker (a retry,
+        on any replica), or publish and mark it in one script (`SessionRedis.finish`)."""
+        local = self.sessions.peek(session_id)
+        if local is not None and local.busy:
+            raise AlreadyExists(f"session {session_id!r} has a call running; finish it after the call ends")
+        with _redis_unreachable(
+            "the record was not published and the session is kept: finish it again later"
+        ):
+            return await self._finish_leased(session_id, body, local)
+
+    async def _finish_leased(self, session_id: str, body: object, local: Session | None) -> dict:
+        lease = await self.durable.lease(session_id)
+        try:
+            done = await self.durable.finished(session_id)
+            if done is not None:  # a retried finish: the same answer, nothing published twice
+                if local is not None:
+                    self.sessions.discard(local)
+                return session_answer(wire.decode_record(done[0]), session_id, done[1])
+            req = oa.parse_request(FinishRequest, body) if body else FinishRequest()
+            s, _ = await self._latest(session_id, local)
+            if s is None or not s.turns:
+                if local is not None:
+                    self.sessions.discard(local)
+                raise NotFound(
+                    f"no session {session_id!r} in namespace {self.keys.namespace!r} (finished, deleted, "
+                    "expired or never used)"
+                )
+            stream = validation.rollout_stream(req.rollout_stream, self.keys)
+            rec = self._session_record(s, session_id, req, stream)
+            data = wire.encode_record(rec)
+            wait_s = min(self.config.publish_wait_s, FINISH_PUBLISH_WAIT_S)
+            started = time.monotonic()
+            try:
+                ok = await self.durable.finish(
+                    lease, session_id, data, stream, max_len=self.publisher.max_len, wait_s=wait_s
+                )
+            except TimeoutError:
+                self.metrics.publish_failures.inc()
+                raise RetryLater(
+                    f"rollout stream {stream} is full (its trainer is behind) or Redis is out of memory: the "
+                    f"record was not published within {wait_s:g} s; the session is kept, finish it later"
+                ) from None
+            if not ok:
+                raise RetryLater(f"session {session_id!r}: the finish's lease expired; finish it again")
+            self.metrics.published.inc()
+            self.metrics.published_bytes.inc(len(data))
+            self.metrics.publish_seconds.observe(time.monotonic() - started)
+            if local is not None:
+                self.sessions.discard(local)
+            self.metrics.sessions_open.set(len(self.sessions))
+            return session_answer(rec, session_id, stream)
+        finally:
+            await lease.release()
+
+    def _session_record(self, s: Session, session_id: str, req: FinishRequest, stream: str | None):
+        rec = s.record(
+            metadata={"session_id": session_id, **req.metadata},
+            group_size=req.group_size,
+            sample_index=req.sample_index,
+            replica_id=self.config.replica_id,
+            now=time.time(),
+        )
+        if stream is not None and not rec.run_id:
+            raise FailedPrecondition(
+                f"session {session_id!r} was sampled from weights of no training run: this replica serves "
+                "its starting weights and no trainer has started a run on them yet, so every trainer would "
+                "refuse (dead-letter) the record; it was not published. Start the trainer first "
+                "(RolloutQueue(run='new') and publisher.start(model): replicas holding the model adopt the "
+                "run's version 0, the others load it), then run the episode again (DELETE this session)"
+            )
+        return rec
+
+    async def delete_session(self, session_id: str) -> dict:
         check_id(session_id)
-        self.sessions.get(session_id)  # 404 / 409 as for finish
-        self.sessions.close(session_id)
+        if self.durable is None:
+            self.sessions.get(session_id)  # 404 / 409 as for finish
+            self.sessions.close(session_id)
+            self.metrics.sessions_open.set(len(self.sessions))
+            return {"id": session_id, "deleted": True}
+        local = self.sessions.peek(session_id)
+        if local is not None and local.busy:
+            raise AlreadyExists(f"session {session_id!r} has a call running; delete it after the call ends")
+        with _redis_unreachable("the session was not deleted; delete it again later"):
+            lease = await self.durable.lease(session_id)
+            try:
+                existed = await self.durable.delete(lease, session_id)
+            finally:
+                await lease.release()
+        if local is not None:
+            self.sessions.close(session_id)
+        self.metrics.sessions_open.set(len(self.sessions))
+        if not existed and local is None:
+            raise NotFound(f"no session {session_id!r} in namespace {self.keys.namespace!r}")
         return {"id": session_id, "deleted": True}
 
     # ---- drain -----------------------------------------------------------------------------------
@@ -519,6 +686,16 @@ def _text_chars(messages: list[dict]) -> int:
 
 
 _DONE = object()
+
+
+@contextlib.contextmanager
+def _redis_unreachable(then: str):
+    """Redis out of reach past the client's retry budget → 503 with Retry-After, saying what became of
+    the call (`then`); the session's state in Redis is untouched."""
+    try:
+        yield
+    except REDIS_DOWN as exc:
+        raise RetryLater(f"Redis is unreachable ({type(exc).__name__}: {exc}); {then}") from None
 
 
 async def _merged(runs: list[ChoiceRun]) -> AsyncIterator[Piece]:

@@ -494,7 +494,7 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
     @app.delete("/v1/sessions/{session_id}")
     @boundary("http:sessions.delete")
     async def delete_session(request: Request) -> Response:
-        return JSONResponse(serving.delete_session(request.path_params["session_id"]))
+        return JSONResponse(await serving.delete_session(request.path_params["session_id"]))
 
     @app.exception_handler(StarletteHTTPException)
     async def not_routed(request: Request, exc: StarletteHTTPException) -> Response:

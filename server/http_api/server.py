@@ -5,7 +5,9 @@ and serves `http_app.build_app` with uvicorn in the running loop, so both front 
 one pipeline's rules, the auth token, the TLS certificate and the limits. `drain()` is the HTTP half of
 the replica's graceful stop: new calls get 503 and /readyz turns 503 at once; running calls finish for
 up to the drain timeout, then are aborted (finish_reason "abort"); then the listener closes.
-Agent sessions live in this process's memory: those still open at the end are lost (logged).
+Agent sessions live in this process's memory: without Redis, those still open at the end are lost
+(logged); with Redis, their state after their last turn is in Redis and any replica of the namespace
+continues them.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ class HttpFrontEnd:
             self.abort_all()
             if not await self.serving.wait_idle(ABORT_GRACE_S):
                 log.warning("drain: %d HTTP calls did not end after the abort", self.in_flight)
-        if len(self.serving.sessions):
+        if len(self.serving.sessions) and self.serving.durable is None:
             log.warning("drain: %d agent sessions were not finished; dropped", len(self.serving.sessions))
         await self.stop()
 

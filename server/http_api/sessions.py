@@ -13,8 +13,9 @@ turns' logprobs and policy versions. Each call is planned against it (`plan_chat
   ids the model produced.
 
 `record()` assembles the whole trajectory into one RolloutRecord (schema version 2). `SessionStore`
-bounds how many sessions live, how long an idle one lives and how many tokens one may hold. Pure state
-(no engine, HTTP or Redis); the HTTP front end runs the turns and publishes the record.
+bounds how many sessions live, how long an idle one lives and how many tokens one may hold; with Redis it
+is the replica's cache of the fleet's sessions (`session_redis`). Pure state (no engine, HTTP or Redis);
+the HTTP front end runs the turns and publishes the record.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Session:
     # Who is using the session (a call id, "finish"), or None: its calls take turns, a second one at
     # the same time is refused (409) rather than queued behind a stream the client may never read.
     busy: str | None = None
+    seq: int = 0  # turns of this episode saved to Redis (session_redis); 0 = none, or no Redis
 
     def current(self) -> list[int]:
         return [] if self.prompt_ids is None else [*self.prompt_ids.tolist(), *self.ids]
@@ -307,6 +309,21 @@ class SessionStore:
         if s.busy:
             raise AlreadyExists(f"session {session_id!r} has a call running; finish it after the call ends")
         return s
+
+    def peek(self, session_id: str) -> Session | None:
+        """The session held here under `session_id` (busy or not), or None."""
+        self.expire()
+        return self._sessions.get(session_id)
+
+    def put(self, session: Session) -> None:
+        """Hold `session` (loaded from Redis) in place of what this replica held under its id."""
+        if session.id not in self._sessions and len(self._sessions) >= self.max_sessions:
+            raise TooManySessions(
+                f"this replica holds {len(self._sessions)} sessions (max_sessions); finish or delete "
+                "some, wait for idle ones to expire, or use another replica"
+            )
+        session.touched = self._clock()
+        self._sessions[session.id] = session
 
     @property
     def finished_held(self) -> int:
