@@ -3,7 +3,8 @@ in its class's docstring, its default the default config's value; the parsed fla
 
 The dataclass configs of this repository (MaskConfig, GRPOConfig, DemoConfig, MaskrollConfig) document
 their fields in the class docstring, one `name: text` entry each (`a / b: text` documents both), so the
-text a reader of the class sees is the --help a user sees. A field is named by its path from the root
+text a reader of the class sees is the --help a user sees (an inherited field's entry is its base's, unless
+the subclass words it again). A field is named by its path from the root
 config ("grpo.mask.method"); its flag is its own name (--method), so the chosen fields' names must be
 unique. Types: Literal → choices, bool → a switch (--x when the default is False, --no-x when True),
 int / float / str / Path (or `... | None`) → that type.
@@ -25,10 +26,20 @@ _ENTRY = re.compile(r"^([a-z_][a-z0-9_]*(?: / [a-z_][a-z0-9_]*)*): (.*)$")
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """name → the text of its `name: text` entry in `cls`'s docstring (continuation lines indented)."""
+    """name → the text of its `name: text` entry in `cls`'s docstring (continuation lines indented), or
+    in the nearest base class's that has one: inherited fields keep their docs, and a subclass may word an
+    inherited field's entry again (StageConfig and the stages' configs)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):  # the bases first: a subclass's entries replace theirs
+        docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    """The `name: text` entries of the docstring `cls` itself declares (not one inherited)."""
     docs: dict[str, str] = {}
     names: list[str] = []
-    for line in (inspect.getdoc(cls) or "").splitlines():
+    for line in inspect.cleandoc(cls.__dict__.get("__doc__") or "").splitlines():
         if m := _ENTRY.match(line):
             names = m.group(1).split(" / ")
             for name in names:

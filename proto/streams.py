@@ -1,9 +1,10 @@
 """The Redis Streams layout and primitives shared by replicas (server) and trainers (client).
 
-Owns the key names, the stream-entry fields, the consumer groups and the three operations both sides
-perform on a stream: create a group (`ensure_group`), consume an entry (`ack_and_delete`) and set aside
-one nobody can decode (`dead_letter`). Knows nothing of what the payloads mean or of retries (the
-caller's client carries the retry rule, see redis_conn.py).
+Owns the key names, the stream-entry fields, the consumer groups and the operations both sides perform on
+a stream: create a group (`ensure_group`), consume an entry (`ack_and_delete`), set aside one nobody can
+decode (`dead_letter`); taking, reclaiming and keeping entries as one consumer of a group is
+`consumer.py`'s `GroupConsumer` (the prompt puller and the stage workers). Knows nothing of what the
+payloads mean or of retries (the caller's client carries the retry rule, see redis_conn.py).
 
 One namespace per training run, split into P partitions (default 1: the original key names); each
 partition has its own streams, in one Redis Cluster slot (StreamKeys, docs/scaling.md "Redis Cluster").

@@ -1,8 +1,9 @@
 """The one place that converts protobuf messages ⇄ domain objects (STYLE.md §5, §9).
 
 Here: sampling options, prompt jobs, records (with the Redis codec `encode_record` / `decode_record`),
-streamed chunks, GetInfo, UpdateWeights and Score. The PushWeights / CollectiveSource conversions are
-written in `wire_push` and re-exported below, so callers still import one converter. Arrays travel as packed
+streamed chunks, GetInfo and UpdateWeights. The PushWeights / CollectiveSource conversions are written in
+`wire_push`, Score's in `wire_score`, and what every part shares (WireError, packed arrays, Semantics) in
+`wire_base`; all are re-exported below, so callers still import one converter. Arrays travel as packed
 little-endian bytes. Decoding validates lengths and shapes, so a truncated or foreign payload raises
 `WireError` instead of producing a record a trainer could misread.
 """
@@ -23,15 +24,15 @@ from .records import (
     RolloutChunk,
     RolloutRecord,
     SamplingOptions,
-    Semantics,
     ServerInfo,
     WeightsUpdate,
     WeightsUpdateResult,
 )
-from .scoring import ScoredTokens, ScoreJob, ScoreOptions, ScoreResult
 
-# The PushWeights / CollectiveSource conversions live in wire_push; every caller imports them from here,
-# the one converter.
+# What the converter's parts share (its error, packed arrays, Semantics), and the PushWeights /
+# CollectiveSource and Score conversions, live in wire_base, wire_push and wire_score; every caller
+# imports them from here, the one converter.
+from .wire_base import _F32, _I32, _U8, WireError, pack, semantics_from_pb, semantics_to_pb, unpack
 from .wire_push import (  # noqa: F401
     PUSH_WEIGHTS_METHOD,
     collective_from_pb,
@@ -45,10 +46,7 @@ from .wire_push import (  # noqa: F401
     tensor_spec_from_pb,
     tensor_spec_to_pb,
 )
-
-_I32 = np.dtype("<i4")
-_F32 = np.dtype("<f4")
-_U8 = np.dtype("u1")
+from .wire_score import score_from_pb, score_request, score_result_from_pb, score_result_to_pb  # noqa: F401
 
 FINISH_TO_PB = {
     "stop": pb.FINISH_REASON_STOP,
@@ -56,22 +54,6 @@ FINISH_TO_PB = {
     "abort": pb.FINISH_REASON_ABORT,
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
-
-
-class WireError(ValueError):
-    """A payload that does not decode to a valid maskroll message."""
-
-
-def pack(a: np.ndarray, dtype: np.dtype) -> bytes:
-    return np.ascontiguousarray(a, dtype=dtype).tobytes()
-
-
-def unpack(data: bytes, dtype: np.dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
-    expected = math.prod(shape) * dtype.itemsize
-    if len(data) != expected:
-        raise WireError(f"{what}: {len(data)} bytes, expected {expected} for shape {shape}")
-    # frombuffer is a zero-copy read-only view; astype gives native-endian, writable arrays.
-    return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
 
 
 # ---- sampling options -----------------------------------------------------------------------------
@@ -177,23 +159,6 @@ def decode_job(data: bytes) -> PromptJob:
 
 
 # ---- records --------------------------------------------------------------------------------------
-
-
-def semantics_to_pb(s: Semantics) -> pb.Semantics:
-    return pb.Semantics(**s.__dict__)
-
-
-def semantics_from_pb(m: pb.Semantics) -> Semantics:
-    return Semantics(
-        logprobs_mode=m.logprobs_mode,
-        temperature=m.temperature,
-        top_p=m.top_p,
-        top_k=m.top_k,
-        logprobs_k=m.logprobs_k,
-        engine=m.engine,
-        engine_version=m.engine_version,
-        model=m.model,
-    )
 
 
 def record_to_pb(r: RolloutRecord, *, arrays: bool = True) -> pb.RolloutRecord:
@@ -567,81 +532,4 @@ def update_result_to_pb(r: WeightsUpdateResult) -> pb.UpdateWeightsResponse:
 def update_result_from_pb(m: pb.UpdateWeightsResponse) -> WeightsUpdateResult:
     return WeightsUpdateResult(
         version=m.version, load_seconds=m.load_seconds, paused_requests=m.paused_requests
-    )
-
-
-# ---- Score ----------------------------------------------------------------------------------------
-
-
-def _int32_ids(data: bytes, what: str) -> np.ndarray:  # -> int32 [n]
-    if len(data) % 4:
-        raise WireError(f"{what}: {len(data)} bytes is not a whole number of int32")
-    return unpack(data, _I32, (len(data) // 4,), what)
-
-
-def score_request(job: ScoreJob) -> pb.ScoreRequest:
-    o = job.options
-    return pb.ScoreRequest(
-        prompt_token_ids=pack(np.asarray(job.prompt_ids), _I32),
-        completion_token_ids=[pack(np.asarray(c), _I32) for c in job.completions],
-        logprobs_k=o.logprobs_k,
-        temperature=o.temperature,
-        top_p=o.top_p,
-        top_k=o.top_k,
-        request_id=job.request_id,
-    )
-
-
-def score_from_pb(m: pb.ScoreRequest) -> ScoreJob:
-    return ScoreJob(
-        prompt_ids=_int32_ids(m.prompt_token_ids, "prompt_token_ids"),
-        completions=tuple(
-            _int32_ids(c, f"completion_token_ids[{i}]") for i, c in enumerate(m.completion_token_ids)
-        ),
-        options=ScoreOptions(
-            logprobs_k=m.logprobs_k,
-            temperature=m.temperature if m.HasField("temperature") else 1.0,
-            top_p=m.top_p if m.HasField("top_p") else 1.0,
-            top_k=m.top_k if m.HasField("top_k") else 0,
-        ),
-        request_id=m.request_id,
-    )
-
-
-def score_result_to_pb(r: ScoreResult) -> pb.ScoreResponse:
-    return pb.ScoreResponse(
-        request_id=r.request_id,
-        completions=[
-            pb.ScoredCompletion(
-                logprobs=pack(c.logprobs, _F32),
-                ranks=pack(c.ranks, _I32),
-                topk_ids=pack(c.topk_ids, _I32),
-                topk_logprobs=pack(c.topk_logprobs, _F32),
-                num_tokens=c.num_tokens,
-            )
-            for c in r.completions
-        ],
-        semantics=semantics_to_pb(r.semantics),
-        policy_version=r.policy_version,
-    )
-
-
-def score_result_from_pb(m: pb.ScoreResponse) -> ScoreResult:
-    k = m.semantics.logprobs_k
-    completions = []
-    for i, c in enumerate(m.completions):
-        t, what = c.num_tokens, f"completions[{i}]"
-        completions.append(
-            ScoredTokens(
-                logprobs=unpack(c.logprobs, _F32, (t,), f"{what}.logprobs"),
-                ranks=unpack(c.ranks, _I32, (t,), f"{what}.ranks"),
-                topk_ids=unpack(c.topk_ids, _I32, (t, k), f"{what}.topk_ids"),
-                topk_logprobs=unpack(c.topk_logprobs, _F32, (t, k), f"{what}.topk_logprobs"),
-            )
-        )
-    return ScoreResult(
-        request_id=m.request_id,
-        completions=completions,
-        semantics=semantics_from_pb(m.semantics),
-        policy_version=m.policy_version,
     )

@@ -1,10 +1,11 @@
-"""RewardStageConfig: the one validated configuration of a reward stage (`maskroll reward`, and the same
+"""StageConfig: what every stage's configuration has (where it reads and publishes, the worker's limits);
+RewardStageConfig: the one validated configuration of a reward stage (`maskroll reward`, and the same
 stage inside a replica: `maskroll serve --reward`); TeacherStageConfig: the teacher stage's (`maskroll
 teacher`).
 
 Standard library only, so that `maskroll reward --help` and a bad flag answer before redis, numpy or a
 tokenizer is imported; its fields become the command's flags (app/flags.py: the help is each field's entry
-below, the default its default).
+in the class's docstring or, when it has none, in its base's; the default its default).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 
 
 @dataclass(frozen=True)
-class RewardStageConfig:
-    """Where the stage reads and publishes, what scores, and its limits.
+class StageConfig:
+    """The fields every stage has: where it reads and publishes, what scores, and the worker's limits
+    (stages/worker.py). The entries below are the reward stage's words; another stage's docstring words
+    again those that mean something else there.
 
     redis_url: the Redis of the rollout queue (redis:// or rediss://); default $MASKROLL_REDIS_URL
     namespace: the queue namespace (one training run) whose finished records the stage scores
@@ -61,6 +64,12 @@ class RewardStageConfig:
     log_every_s: float = 30.0
     worker_id: str | None = None
 
+
+@dataclass(frozen=True)
+class RewardStageConfig(StageConfig):
+    """Where the stage reads and publishes, what scores, and its limits (StageConfig's fields; `reward` is
+    required)."""
+
     def __post_init__(self) -> None:
         _check_where(self)
         if not _SPEC.fullmatch(self.reward):
@@ -71,7 +80,7 @@ class RewardStageConfig:
         _check_limits(self)
 
 
-def _check_where(cfg) -> None:
+def _check_where(cfg: StageConfig) -> None:
     """The Redis URL and the namespace of a stage's config."""
     if not cfg.redis_url or not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(
@@ -82,9 +91,9 @@ def _check_where(cfg) -> None:
         raise ValueError(f"namespace={cfg.namespace!r}; expected 1-128 of A-Z a-z 0-9 _ . -")
 
 
-def _check_limits(cfg, ints: tuple = (), floats: tuple = ()) -> None:
-    """The limits every stage's config has (the worker's: stages/worker.py), and `ints` / `floats`
-    ((name, low[, high]) more of them)."""
+def _check_limits(cfg: StageConfig, ints: tuple = (), floats: tuple = ()) -> None:
+    """The limits every stage's config has (StageConfig's), and `ints` / `floats` ((name, low[, high]) more
+    of them)."""
     for name, low, high in (
         ("workers", 1, 256),
         ("concurrency", 1, 4096),
@@ -117,10 +126,10 @@ def _check_limits(cfg, ints: tuple = (), floats: tuple = ()) -> None:
 
 
 @dataclass(frozen=True)
-class TeacherStageConfig:
-    """Where the teacher stage reads and publishes, which teachers score, and its limits.
+class TeacherStageConfig(StageConfig):
+    """Where the teacher stage reads and publishes, which teachers score, and its limits: StageConfig's
+    fields (their entries there, but for those worded again here) and the teacher's.
 
-    redis_url: the Redis of the rollout queue (redis:// or rediss://); default $MASKROLL_REDIS_URL
     namespace: the queue namespace (one training run) whose finished records the teachers score
     teacher: the teacher replicas, ADDR[,ADDR...] (host:port of `maskroll serve` gRPC): each record goes to
         the next in turn, and to the one after when one is UNAVAILABLE
@@ -133,7 +142,6 @@ class TeacherStageConfig:
         against; unset: plaintext gRPC
     reward: also score each record with this reward function first, MODULE:FUNCTION (as `maskroll reward`
         --reward: one worker runs both stages); empty: the teacher only
-    workers: worker processes (each one a consumer of the stage's group; scale further with more pods)
     concurrency: records each worker has scored at once
     group_wait_s: how long a record waits for the other records of its GRPO group (same prompt) so that
         they are scored in one Score call; a group sends as soon as it is whole. 0: one call per record
@@ -144,41 +152,21 @@ class TeacherStageConfig:
         pending for another worker
     student_wait_s: at start-up, how long to wait for a live student replica of the namespace (its
         vocabulary is compared with the teachers')
-    partitions: the namespace's partitions (as `maskroll serve --partitions`; Redis records and checks it)
-    claim_idle_s: records another worker took and left unfinished this long are taken over (it died)
-    max_deliveries: a record delivered this many times without being scored (its worker died on it each
-        time) is dead-lettered
-    max_len: the most unconsumed records the trainer's rollout stream may hold: past it the stage waits
-        (backpressure, never a trim)
-    dedupe_ttl_s: how long published rollout ids are remembered, so a duplicate record is published once
-    heartbeat_ttl_s: a worker's heartbeat key (maskroll status) expires this long after its last beat
-    log_every_s: seconds between two activity lines (0: none)
-    worker_id: this worker's consumer name (default: host-pid-random)
     """
 
-    redis_url: str | None = field(default_factory=lambda: os.environ.get("MASKROLL_REDIS_URL"))
-    namespace: str = "default"
     teacher: str = ""
     teacher_k: int = 20
     teacher_temperature: float = 1.0
     token: str | None = field(default_factory=lambda: os.environ.get("MASKROLL_AUTH_TOKEN") or None)
     tls_ca: Path | None = None
-    reward: str = ""
-    workers: int = 1
-    concurrency: int = 8
     group_wait_s: float = 0.05
-    tokenizer: Path | None = None
-    timeout_s: float = 60.0
     retry_s: float = 60.0
     student_wait_s: float = 300.0
-    partitions: int = 1
+    # the teacher stage's own defaults for two of StageConfig's fields: a Score call (a forward on a
+    # remote replica, a whole group at once) gets longer than a reward call, and claim_idle_s must
+    # exceed it (_check_limits)
+    timeout_s: float = 60.0
     claim_idle_s: float = 120.0
-    max_deliveries: int = 5
-    max_len: int = 100_000
-    dedupe_ttl_s: float = 7 * 86400.0
-    heartbeat_ttl_s: float = 15.0
-    log_every_s: float = 30.0
-    worker_id: str | None = None
 
     @property
     def teachers(self) -> tuple[str, ...]:

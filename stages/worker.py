@@ -16,6 +16,7 @@ finished stream through one consumer group (REWARD_GROUP, or TEACHER_GROUP), lik
   rollout stream of the same partition (`streams.forward`: ack + delete + XADD, one slot), so a worker
   killed at any point leaves it pending, and another worker (or its restart) takes it over once it has
   been idle `claim_idle_s` (XAUTOCLAIM). A live worker keeps its records' idle time low (XCLAIM JUSTID).
+  Both: `proto.consumer.GroupConsumer`, as the replicas' prompt puller does.
 - deduplicated: `forward` publishes a rollout id at most once (the partition's `scored` set) and never
   an entry another worker has already acked; the trainer's own dedupe (the `done` set) stays behind it.
 - dead letters with the reason: a record the step cannot score (the reward function raised, hung past
@@ -44,6 +45,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from maskroll.proto import wire
+from maskroll.proto.consumer import GroupConsumer
 from maskroll.proto.redis_conn import REDIS_DOWN, redact
 from maskroll.proto.streams import (
     F_JOB_ERROR,
@@ -60,13 +62,12 @@ from maskroll.proto.streams import (
     forward,
 )
 
-from .config import RewardStageConfig
+from .config import StageConfig
 from .scoring import StageError, StageWedged
 
 log = logging.getLogger("maskroll.reward")
 
 GROUPS = {"reward": REWARD_GROUP, "teacher": TEACHER_GROUP}  # the consumer group of each kind of step
-SWEEP_BLOCK_MS = 100  # with several partitions and nothing to read, one is waited on this long in turn
 ROOM_CHECK_S = 0.5  # how often a rollout stream's backlog is measured (one XLEN per partition at most)
 
 
@@ -87,23 +88,30 @@ class StageWorker:
     scorer: the step — `kind` ("reward" | "teacher": its consumer group, GROUPS), `label` (what scores,
     for the heartbeat), `what` (what a failed record goes without), `hung`, `close()`, and
     `await scorer(rec)`, which scores the record in place or raises scoring.StageError. cfg: the stage's
-    config (RewardStageConfig or TeacherStageConfig: the limits both name alike)."""
+    config (RewardStageConfig or TeacherStageConfig: the limits of their StageConfig)."""
 
     def __init__(
         self,
         redis: aioredis.Redis,
         keys: StreamKeys,
         scorer,
-        cfg: RewardStageConfig,
+        cfg: StageConfig,
         worker_id: str,
     ) -> None:
         self.redis, self.keys, self.scorer, self.cfg = redis, keys, scorer, cfg
         self.group = GROUPS[scorer.kind]
         self.worker_id = worker_id
         self.counters = StageCounters()
-        self.claim_idle_ms = int(cfg.claim_idle_s * 1000)
-        self._active: dict[tuple[int, bytes], asyncio.Task] = {}
-        self._turn = 0
+        self.records = GroupConsumer(
+            redis,
+            keys,
+            lambda part: part.finished,
+            self.group,
+            worker_id,
+            self._handle,
+            claim_idle_s=cfg.claim_idle_s,
+            min_reclaim_every_s=0.2,
+        )
         self._room_ok: dict[str, float] = {}  # rollout stream -> when it last had room
         self._stopping = asyncio.Event()
         self._wedged: StageWedged | None = None
@@ -157,17 +165,17 @@ class StageWorker:
     async def run(self) -> None:
         await self.start()
         beat = asyncio.create_task(self._heartbeat(), name="stage-heartbeat")
-        next_claim = 0.0
+        self.records.next_reclaim = 0.0  # a (re)start reclaims at once
         try:
             while not self._stopping.is_set():
                 if self._wedged is not None:
                     raise self._wedged
-                free = self.cfg.concurrency - len(self._active)
+                free = self.cfg.concurrency - len(self.records.active)
                 if free <= 0:
                     await asyncio.sleep(0.01)
                     continue
                 try:
-                    next_claim = await self._take(free, next_claim)
+                    self.counters.reclaimed += await self.records.take(free)
                 except REDIS_DOWN as e:
                     log.warning(
                         "stage worker %s: Redis unreachable (%s); retrying", self.worker_id, redact(repr(e))
@@ -185,71 +193,18 @@ class StageWorker:
     def stop(self) -> None:
         self._stopping.set()
 
+    @property
+    def _active(self) -> dict[tuple[int, bytes], asyncio.Task]:
+        """The records being scored (stages/run.py's activity line counts them)."""
+        return self.records.active
+
     async def drain(self, timeout: float) -> int:
         """Wait up to `timeout` for the records being scored; cancel the rest (they stay pending and are
         taken over). Returns how many were cancelled."""
-        tasks = list(self._active.values())
-        if not tasks:
-            return 0
-        _, pending = await asyncio.wait(tasks, timeout=timeout)
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        return len(pending)
+        return await self.records.drain(timeout)
 
     async def unregister(self) -> None:
         await self.redis.delete(self.keys.rewarder(self.worker_id))
-
-    # ---- taking records --------------------------------------------------------------------------
-
-    def _rotation(self) -> list[PartitionKeys]:
-        parts = self.keys.parts
-        self._turn = (self._turn + 1) % len(parts)
-        return [*parts[self._turn :], *parts[: self._turn]]
-
-    async def _take(self, free: int, next_claim: float) -> float:
-        parts = self._rotation()
-        taken = 0
-        if time.monotonic() >= next_claim:
-            next_claim = time.monotonic() + max(0.2, self.claim_idle_ms / 4000)
-            for part in parts:
-                if taken < free:
-                    taken += await self._reclaim(part, free - taken)
-        if taken:
-            return next_claim
-        if len(parts) > 1:
-            for part in parts:
-                if taken < free:
-                    taken += await self._read_new(part, free - taken, None)
-        if not taken:
-            await self._read_new(parts[0], free, 500 if len(parts) == 1 else SWEEP_BLOCK_MS)
-        return next_claim
-
-    async def _reclaim(self, part: PartitionKeys, count: int) -> int:
-        _, claimed, *_ = await self.redis.xautoclaim(
-            part.finished, self.group, self.worker_id, self.claim_idle_ms, "0-0", count=count
-        )
-        entries = [e for e in claimed if e is not None and (part.index, e[0]) not in self._active]
-        for entry_id, fields in entries:
-            pending = await self.redis.xpending_range(part.finished, self.group, entry_id, entry_id, 1)
-            self.counters.reclaimed += 1
-            self._start(part, entry_id, fields, int(pending[0]["times_delivered"]) if pending else 1)
-        return len(entries)
-
-    async def _read_new(self, part: PartitionKeys, count: int, block_ms: int | None) -> int:
-        resp = await self.redis.xreadgroup(
-            self.group, self.worker_id, {part.finished: ">"}, count=count, block=block_ms
-        )
-        n = 0
-        for entry_id, fields in resp[0][1] if resp else []:
-            if (part.index, entry_id) not in self._active:
-                self._start(part, entry_id, fields, 1)
-                n += 1
-        return n
-
-    def _start(self, part: PartitionKeys, entry_id: bytes, fields: dict, deliveries: int) -> None:
-        task = asyncio.create_task(self._handle(part, entry_id, fields, deliveries))
-        self._active[(part.index, entry_id)] = task
 
     # ---- one record ----------------------------------------------------------------------------------
 
@@ -288,8 +243,6 @@ class StageWorker:
             log.warning("record %s: Redis unreachable (%s); left pending", entry_id, redact(repr(e)))
         except Exception:
             log.exception("record %s (delivery %d) failed in the stage; left pending", entry_id, deliveries)
-        finally:
-            self._active.pop((part.index, entry_id), None)
 
     async def _forward(self, part: PartitionKeys, entry_id: bytes, fields: dict, dedupe_id: str) -> None:
         await self._wait_for_room(part.rollouts)
@@ -343,7 +296,7 @@ class StageWorker:
             "failed": c.failed,
             "duplicates": c.duplicates,
             "job_errors": c.job_errors,
-            "active": len(self._active),
+            "active": len(self.records.active),
             "hung": self.scorer.hung,
             "started_at": self.started_at,
             "pid": os.getpid(),
@@ -359,11 +312,7 @@ class StageWorker:
                     json.dumps(self.heartbeat()),
                     px=int(self.cfg.heartbeat_ttl_s * 1000),
                 )
-                for p in sorted({p for p, _ in self._active}):
-                    running = [e for q, e in self._active if q == p]
-                    await self.redis.xclaim(
-                        self.keys.part(p).finished, self.group, self.worker_id, 0, running, justid=True
-                    )
+                await self.records.keep_claimed()
             except asyncio.CancelledError:
                 raise
             except Exception:

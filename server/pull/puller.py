@@ -3,8 +3,9 @@
 All replicas read through one consumer group. A job is acked only after its records are published.
 Jobs left pending by a dead replica are reclaimed by survivors once idle for `claim_idle_s`
 (XAUTOCLAIM); a live replica keeps its running jobs' idle time low by re-claiming them (XCLAIM JUSTID),
-so slow generations are not stolen. Replicas register with a heartbeat key (TTL) so trainers can find
-them for weight updates. Knows nothing of engines: `run_job` turns a job into records.
+so slow generations are not stolen (both: `proto.consumer.GroupConsumer`, as the stage workers do). Replicas
+register with a heartbeat key (TTL) so trainers can find them for weight updates. Knows nothing of
+engines: `run_job` turns a job into records.
 
 With several partitions (`--partitions`), every partition's prompt stream is read, one stream per call
 (in a Redis Cluster a multi-stream XREADGROUP must stay in one slot), starting with each in turn, and a
@@ -31,6 +32,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from maskroll.proto import wire
+from maskroll.proto.consumer import GroupConsumer
 from maskroll.proto.heartbeat import encode_heartbeat
 from maskroll.proto.records import PromptJob, RolloutRecord
 from maskroll.proto.redis_conn import REDIS_DOWN, redact, transaction
@@ -59,9 +61,6 @@ TRANSIENT = (*REDIS_DOWN, PublishTimeout, EngineDead)
 # prompt stream is unreachable: the client is still inside its retry budget, but health should know now.
 UNREACHABLE_AFTER_S = 5.0
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and largest wait before run() is restarted after an error
-# With several partitions and nothing on any of them, one is waited on (each in turn) this long: a job
-# arriving on another waits no longer than this to be taken.
-SWEEP_BLOCK_MS = 100
 
 
 class JobRejected(ValueError):
@@ -91,12 +90,21 @@ class PromptPuller:
         self.redis, self.keys, self.consumer = redis, keys, consumer
         self.run_job, self.publisher = run_job, publisher
         self.concurrency = concurrency
-        self.claim_idle_ms = int(claim_idle_s * 1000)
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.replica_info = replica_info or (lambda: {})
         self.max_deliveries = max_deliveries
-        self._active: dict[tuple[int, bytes], asyncio.Task] = {}  # (partition, entry id) -> its task
-        self._turn = 0  # the partition the next read starts with
+        self._jobs = GroupConsumer(
+            redis,
+            keys,
+            lambda part: part.prompts,
+            REPLICA_GROUP,
+            consumer,
+            self._handle,
+            claim_idle_s=claim_idle_s,
+            min_reclaim_every_s=0.5,
+            call=self._redis,  # timed: failure()
+            on_active=self.metrics.jobs_active.set,
+        )
         # for messages: the prompt stream, or "<first> … <last>" of several partitions
         parts = keys.parts
         self._streams = parts[0].prompts if len(parts) == 1 else f"{parts[0].prompts} … {parts[-1].prompts}"
@@ -140,15 +148,15 @@ class PromptPuller:
         await self._redis(check_layout(self.redis, self.keys))
         await self._ensure_groups()
         beat = asyncio.create_task(self._heartbeat())
-        next_claim = 0.0
+        self._jobs.next_reclaim = 0.0  # a (re)start reclaims at once
         try:
             while not self._stopping.is_set():
-                free = self.concurrency - len(self._active)
+                free = self.concurrency - len(self._jobs.active)
                 if free <= 0:
                     await asyncio.sleep(0.05)
                     continue
                 try:
-                    next_claim = await self._take_jobs(free, next_claim)
+                    self.metrics.jobs_reclaimed.inc(await self._jobs.take(free))
                     if self._problem:
                         log.info("prompt stream %s readable again", self._streams)
                     self._problem = None
@@ -185,71 +193,6 @@ class PromptPuller:
         finally:
             self._call_since = None
 
-    def _rotation(self) -> list[PartitionKeys]:
-        """The partitions, starting with the next one in turn (so that none is always read last)."""
-        parts = self.keys.parts
-        self._turn = (self._turn + 1) % len(parts)
-        return [*parts[self._turn :], *parts[: self._turn]]
-
-    async def _take_jobs(self, free: int, next_claim: float) -> float:
-        """Reclaim idle jobs (at most every claim_idle/4) or read new ones, at most `free` in all; start
-        a task per job."""
-        parts = self._rotation()
-        taken = 0
-        if time.monotonic() >= next_claim:
-            next_claim = time.monotonic() + max(0.5, self.claim_idle_ms / 4000)
-            for part in parts:
-                if taken < free:
-                    taken += await self._reclaim(part, free - taken)
-        if taken:
-            return next_claim
-        if len(parts) > 1:  # a sweep that does not wait
-            for part in parts:
-                if taken < free:
-                    taken += await self._read_new(part, free - taken, None)
-        if not taken:
-            await self._read_new(parts[0], free, 500 if len(parts) == 1 else SWEEP_BLOCK_MS)
-        return next_claim
-
-    async def _reclaim(self, part: PartitionKeys, count: int) -> int:
-        """Take over jobs of `part` idle past claim_idle_s (a dead replica's); returns how many started."""
-        _, claimed, *_ = await self._redis(
-            self.redis.xautoclaim(
-                part.prompts, REPLICA_GROUP, self.consumer, self.claim_idle_ms, "0-0", count=count
-            )
-        )
-        entries = [e for e in claimed if e is not None and (part.index, e[0]) not in self._active]
-        self.metrics.jobs_reclaimed.inc(len(entries))
-        for entry_id, fields in entries:  # reclaimed: delivered before, maybe many times (a poison job)
-            self._start(part, entry_id, fields, await self._deliveries(part, entry_id))
-        return len(entries)
-
-    async def _read_new(self, part: PartitionKeys, count: int, block_ms: int | None) -> int:
-        """Read jobs of `part` never delivered before and start them; returns how many started."""
-        resp = await self._redis(
-            self.redis.xreadgroup(
-                REPLICA_GROUP, self.consumer, {part.prompts: ">"}, count=count, block=block_ms
-            )
-        )
-        started = 0
-        for entry_id, fields in resp[0][1] if resp else []:
-            if (part.index, entry_id) not in self._active:
-                self._start(part, entry_id, fields, 1)
-                started += 1
-        return started
-
-    def _start(self, part: PartitionKeys, entry_id: bytes, fields: dict, deliveries: int) -> None:
-        task = asyncio.create_task(self._handle(part, entry_id, fields, deliveries))
-        self._active[(part.index, entry_id)] = task
-        self.metrics.jobs_active.set(len(self._active))
-
-    async def _deliveries(self, part: PartitionKeys, entry_id: bytes) -> int:
-        """How often Redis has delivered this entry (XREADGROUP and XAUTOCLAIM count, XCLAIM JUSTID not)."""
-        pending = await self._redis(
-            self.redis.xpending_range(part.prompts, REPLICA_GROUP, entry_id, entry_id, 1)
-        )
-        return int(pending[0]["times_delivered"]) if pending else 1
-
     def stop(self) -> None:
         """Stop taking jobs; running ones finish (see drain)."""
         self._stopping.set()
@@ -257,14 +200,7 @@ class PromptPuller:
     async def drain(self, timeout: float) -> int:
         """Wait up to `timeout` for running jobs; cancel the rest (they stay pending and are reclaimed).
         Returns the number cancelled."""
-        tasks = list(self._active.values())
-        if not tasks:
-            return 0
-        _, pending = await asyncio.wait(tasks, timeout=timeout)
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        return len(pending)
+        return await self._jobs.drain(timeout)
 
     async def _handle(self, part: PartitionKeys, entry_id: bytes, fields: dict, deliveries: int = 1) -> None:
         job = None
@@ -318,9 +254,6 @@ class PromptPuller:
                 await self._give_up_quietly(
                     part, entry_id, fields, job, f"{type(e).__name__}: {e}", deliveries
                 )
-        finally:
-            self._active.pop((part.index, entry_id), None)
-            self.metrics.jobs_active.set(len(self._active))
 
     async def _give_up_quietly(
         self, part: PartitionKeys, entry_id: bytes, fields: dict, job: PromptJob, error: str, deliveries: int
@@ -355,18 +288,16 @@ class PromptPuller:
 
     async def _heartbeat(self) -> None:
         """Refresh the registry key and keep running jobs' idle time below the reclaim threshold."""
-        period = max(0.2, min(self.heartbeat_ttl_s / 3, self.claim_idle_ms / 3000))
+        period = max(0.2, min(self.heartbeat_ttl_s / 3, self._jobs.claim_idle_ms / 3000))
         while True:
             try:
-                beat = encode_heartbeat(self.consumer, **self.replica_info(), active_jobs=len(self._active))
+                beat = encode_heartbeat(
+                    self.consumer, **self.replica_info(), active_jobs=len(self._jobs.active)
+                )
                 await self.redis.set(
                     self.keys.replica(self.consumer), beat, px=int(self.heartbeat_ttl_s * 1000)
                 )
-                for p in sorted({p for p, _ in self._active}):
-                    running = [entry_id for q, entry_id in self._active if q == p]
-                    await self.redis.xclaim(
-                        self.keys.part(p).prompts, REPLICA_GROUP, self.consumer, 0, running, justid=True
-                    )
+                await self._jobs.keep_claimed()
             except asyncio.CancelledError:
                 raise
             except Exception:  # Redis hiccup: the next beat retries; the TTL tolerates a few misses
