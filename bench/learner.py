@@ -101,6 +101,10 @@ def rank_publish(a: argparse.Namespace) -> dict:
         AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).to(device).requires_grad_(False)
     )
     state = model.state_dict()
+    # from_pretrained memory-maps the checkpoint: read every page now, so that the RSS base below holds
+    # the model and the first snapshot's page-ins are not counted as the publisher's.
+    for t in state.values():
+        t.sum()
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
     largest = max(t.numel() * t.element_size() for t in state.values())
     if a.mode == "fsdp":

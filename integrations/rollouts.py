@@ -8,7 +8,11 @@ staleness bound allows. A group the queue's staleness rule (`maskroll.client.bat
 refuses when it is taken is not trained on: it is confirmed (acked) and its prompt submitted again, so
 no prompt is lost and none is trained stale.
 
-- `QueueSource`: `RolloutQueue` submit / next_batch / ack; replicas pull jobs, any number of them.
+- `QueueSource`: `RolloutQueue` submit / next_batch / ack; replicas pull jobs, any number of them. Its
+  consumer name is stable (`<namespace>-rank0`), so a restarted trainer gets its unacked records back at
+  once; those a published version already trained on (`skip_trained`, from the ledger beside the
+  checkpoints) are acked untrained, those of jobs it did not submit (no rows to train them with: a
+  previous life's read-ahead) dropped as foreign — their prompts are the dataset's, read again.
 - `GrpcSource`: no Redis — each job is one `Generate` call to a replica (round robin), on a thread pool.
 
 Knows nothing of TRL or verl: `integrations/trl.py` drives it. What a weight publisher publishes through
@@ -23,7 +27,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,6 +35,7 @@ from typing import Any
 from maskroll.client import QueueTimeout, RolloutQueue, RolloutRecord, SamplingOptions, SyncRolloutClient
 from maskroll.client.admission import in_flight_limit
 from maskroll.client.batching import too_stale
+from maskroll.client.ranks import REFILL_S
 from maskroll.client.replicas import replicas_elsewhere
 from maskroll.client.runs import RunMode
 
@@ -64,6 +69,7 @@ class SourceStats:
     taken: int = 0
     stale_resubmitted: int = 0
     foreign_dropped: int = 0  # records of jobs this trainer did not submit (a previous run's leftovers)
+    trained_skipped: int = 0  # records a published version already trained on (skip_trained), acked
 
 
 def _groups(records: Sequence[RolloutRecord]) -> list[Group]:
@@ -83,6 +89,7 @@ class _Source:
         self.jobs: dict[str, Job] = {}  # submitted, not yet done
         self.stats = SourceStats()
         self._ready: collections.deque[Group] = collections.deque()  # taken from the wire, not yet handed out
+        self._skip: set[str] = set()  # rollout ids a published version trained on (skip_trained)
 
     @property
     def limit(self) -> int:
@@ -92,8 +99,19 @@ class _Source:
     def _options(self, job: Job) -> SamplingOptions:
         return replace(self.options, n=job.n)
 
-    def take(self, count: int, version: int) -> list[tuple[Group, Job]]:
-        """Whole groups totalling `count` records, none more than max_staleness versions old, with jobs."""
+    def skip_trained(self, rollout_ids: Iterable[str]) -> None:
+        """Records with these ids were trained on by a version the run has already published (a trainer
+        killed between publishing and acking them, `weight_sync.read_trained`): when they come back
+        they are acked untrained (`stats.trained_skipped`), never handed out."""
+        self._skip.update(rollout_ids)
+
+    def take(
+        self, count: int, version: int, refill: Callable[[], object] | None = None
+    ) -> list[tuple[Group, Job]]:
+        """Whole groups totalling `count` records, none more than max_staleness versions old, with jobs.
+        refill: called every REFILL_S while no records arrive (the trainer's top-up of prompt jobs, as
+        `RankedQueue.next_batch(refill=)`): room freed meanwhile — records dropped as stale, a previous
+        life's jobs read first — is filled only by a new submit."""
         out, have = [], 0
         deadline = time.monotonic() + self.timeout
         while have < count:
@@ -101,9 +119,18 @@ class _Source:
                 # Ask only for what is missing: the groups already held may leave fewer jobs in flight
                 # than a whole batch (e.g. after a stale group was resubmitted), and waiting for more
                 # than can come would wait forever.
-                self._ready.extend(self._receive(deadline, count - have))
+                self._ready.extend(self._receive(deadline, count - have, refill))
                 continue
             group = self._ready.popleft()
+            done = {r.rollout_id for r in group} & self._skip
+            if done:  # in a published version already (a restart between publish and ack): not twice
+                self._confirm([r for r in group if r.rollout_id in done])
+                self._skip -= done
+                self.stats.trained_skipped += len(done)
+                log.warning("acked %d records a published version already trained on, untrained", len(done))
+                group = [r for r in group if r.rollout_id not in done]  # a trained batch was whole groups
+                if not group:
+                    continue
             job = self.jobs.get(group[0].job_id)
             if job is None:
                 self.stats.foreign_dropped += len(group)
@@ -132,7 +159,9 @@ class _Source:
     # per transport
     def room(self) -> int: ...
     def submit(self, job: Job) -> None: ...
-    def _receive(self, deadline: float, need: int) -> list[Group]: ...
+    def _receive(
+        self, deadline: float, need: int, refill: Callable[[], object] | None = None
+    ) -> list[Group]: ...
     def _confirm(self, records: Sequence[RolloutRecord]) -> None: ...
     def generate_now(self, prompt_ids: Sequence[int], n: int) -> Group: ...
     def close(self) -> None: ...
@@ -155,13 +184,18 @@ class QueueSource(_Source):
         run: RunMode | None = None,
         partitions: int = 1,
         reward_stage: bool = False,
+        consumer: str | None = None,
     ) -> None:
         super().__init__(batch_size=batch_size, max_staleness=max_staleness, options=options, timeout=timeout)
         # stale_policy "keep": the staleness rule is applied here, per group, so a stale group's prompt
         # can be submitted again (the queue's "drop" would ack it and the prompt would be lost).
+        # consumer: stable for the namespace (RankedQueue's rank-0 name), so a restarted trainer reads its
+        # own unacked records back at once — those a published version trained on are then acked
+        # (skip_trained) — instead of after claim_idle_s under a new host-and-pid name.
         self.queue = RolloutQueue(
             url,
             namespace,
+            consumer=consumer or f"{namespace}-rank0",
             run=run,
             partitions=partitions,
             batch_size=batch_size,
@@ -213,8 +247,9 @@ class QueueSource(_Source):
         self.jobs[job.job_id] = job
         self.stats.submitted += 1
 
-    def _receive(self, deadline: float, need: int) -> list[Group]:
-        """Whole groups adding up to at least `need` records (a queue batch holds ≥ need)."""
+    def _receive(self, deadline: float, need: int, refill: Callable[[], object] | None = None) -> list[Group]:
+        """Whole groups adding up to at least `need` records (a queue batch holds ≥ need); refill()
+        after every REFILL_S without them."""
         while True:
             failed = self.queue.stats.failed_jobs
             if failed > self._failed_seen:
@@ -231,11 +266,12 @@ class QueueSource(_Source):
                 )
             try:  # short waits, so a rejected job is reported promptly instead of at the deadline
                 batch = self.queue.next_batch(
-                    self.batch_size, timeout=min(remaining, 2.0), at_least=min(need, self.batch_size)
+                    self.batch_size, timeout=min(remaining, REFILL_S), at_least=min(need, self.batch_size)
                 )
                 return _groups(batch)
             except QueueTimeout:
-                continue
+                if refill is not None:
+                    refill()
 
     def _confirm(self, records: Sequence[RolloutRecord]) -> None:
         self.queue.ack(records)
@@ -323,8 +359,9 @@ class GrpcSource(_Source):
         self._in_flight += job.n
         self.stats.submitted += 1
 
-    def _receive(self, deadline: float, need: int) -> list[Group]:
-        """The oldest submitted job's group (one group per call, whatever `need` is)."""
+    def _receive(self, deadline: float, need: int, refill: Callable[[], object] | None = None) -> list[Group]:
+        """The oldest submitted job's group (one group per call, whatever `need` is; no refill: every
+        job submitted here is in flight until its call returns)."""
         if not self._futures:
             raise GenerationError("nothing was submitted: no rollouts can arrive")
         fut = self._futures.popleft()

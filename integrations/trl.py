@@ -18,11 +18,14 @@ What changes under TRL's training loop:
   Mask, divergence, mismatch and IS-weight metrics land in TRL's logs as `maskroll/*`, the KL as `kl`.
 - **Weights**: after every `publish_every` optimiser steps the policy reaches every live replica as the
   next version: streamed over gRPC (`StreamPublisher`, the default with a queue: no shared filesystem)
-  or written under the replicas' `--weights-root` for them to load (`CheckpointPublisher`).
+  or written under the replicas' `--weights-root` for them to load (`CheckpointPublisher`). Before each
+  publish the ids of the records it trained on go to the ledger beside the checkpoints
+  (`weight_sync.write_trained`), after it they are acked: a trainer killed in between and resumed
+  (`run="resume"`) acks them untrained (the recipe's exactly-once rule, docs/architecture.md flow 9).
 
 - **Ranks** (`accelerate launch --num_processes W`, DDP): rank 0 alone holds the queue; it submits the
   global generation batch, takes it (one staleness check, one version), scatters whole groups balanced by
-  tokens, acks it after every rank's optimiser step and publishes; the loss's denominators are the global
+  tokens, publishes and acks it after every rank's optimiser step; the loss's denominators are the global
   batch's (`policy_loss(world=...)`), so W ranks take the step one process takes on the same records
   (`trl_ranks.py`; docs/integrations.md "Several processes").
 
@@ -56,7 +59,7 @@ from maskroll.trainer_adapter import (
     token_logprobs,
 )
 from maskroll.trainer_adapter.distributed import World, single_process
-from maskroll.weight_sync import Publisher, make_publisher
+from maskroll.weight_sync import Publisher, make_publisher, read_trained, write_trained
 
 from . import trl_ranks
 from .rollouts import GrpcSource, Job, QueueSource, _Source
@@ -341,10 +344,18 @@ class MaskrollGRPOTrainer(GRPOTrainer):
         self._publisher: Publisher | None = None  # made with the source; owns the policy version
         self._held: tuple[str, int] | None = None  # (run, version) the model holds when the source closed
         self._run_taken = False
+        self._resumed_at = 0  # rank 0: the run's version when the queue opened (before start())
         # Counts for reports (rollouts unless named): trained (this rank's), confirmed (rank 0 confirms the
         # global batch: 0 on the other ranks), completion tokens (this rank's), the rollout source's stale
         # resubmissions and foreign drops (rank 0's); replicas of this rank's last batch.
-        self.rollout_counts = {"received": 0, "acked": 0, "tokens": 0, "stale_resubmitted": 0, "foreign": 0}
+        self.rollout_counts = {
+            "received": 0,
+            "acked": 0,
+            "tokens": 0,
+            "stale_resubmitted": 0,
+            "foreign": 0,
+            "trained_skipped": 0,  # rank 0: acked untrained on resume, a published version trained on them
+        }
         self.last_replicas: dict[str, int] = {}
         self._unacked: list[list] = []  # per generation batch: the groups its micro-steps train on
         self._diagnose: tuple[dict, MaskResult] | None = None
@@ -422,6 +433,7 @@ class MaskrollGRPOTrainer(GRPOTrainer):
                         **common,
                     )
                     self._source.wait_for_replicas(cfg.min_replicas)
+                    self._resumed_at = self._source.queue.policy_version  # before start() publishes any
 
                 trl_ranks.main_answer(self._collective, open_queue)
                 self._run_taken = True
@@ -438,6 +450,8 @@ class MaskrollGRPOTrainer(GRPOTrainer):
                 # into the model (rank 0's, sent to every rank); a new one publishes the model as
                 # version 0 to replicas serving others.
                 self._publisher.start(self.accelerator.unwrap_model(self.model))
+                if run == "resume":  # killed between a publish and its acks: those records are trained
+                    trl_ranks.main_answer(self._collective, self._skip_trained)
             else:
                 source = GrpcSource(list(cfg.replicas), **common)
                 # No run in Redis: versions only grow on a replica, so continue from where they are.
@@ -449,6 +463,29 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             self._opened = True
         return self._source
 
+    def _skip_trained(self) -> None:
+        """Rank 0, on resume: the records the run's last published version trained on and never acked
+        (the ledger `_record_trained` wrote beside the checkpoints) are acked untrained when read back."""
+        root = self.maskroll.weights_root
+        if root is None or not isinstance(self._source, QueueSource):
+            return  # no ledger without a weights_root (nor a run to resume without a queue)
+        v, run_id = self._source.queue.policy_version, self._source.queue.run_id
+        if v != self._resumed_at:  # resume_from_base: the model never held v's training, so train again
+            return
+        self._source.skip_trained(read_trained(root, run_id, after=v - 1, through=v))
+
+    def _record_trained(self, batches: list[list]) -> None:
+        """Rank 0, before a publish: the ids of every record these generation batches hold — all this
+        trainer holds unacked, each trained on by the version about to be published — in the ledger
+        beside the checkpoints (`weight_sync.write_trained`, durable). A trainer killed after the publish
+        and before the acks finds them on resume (`_skip_trained`); killed before the publish recorded
+        the version, it resumes at the previous one, which ignores this ledger."""
+        root = self.maskroll.weights_root
+        if root is None or not isinstance(self._source, QueueSource):
+            return
+        ids = [r.rollout_id for groups in batches for g in groups for r in g]
+        write_trained(root, self._publisher.version + 1, self._source.queue.run_id, ids)
+
     def close(self) -> None:
         """Close the connection to the replicas (Redis / gRPC); `train` and `evaluate` reopen it."""
         if self._publisher is not None:
@@ -457,6 +494,7 @@ class MaskrollGRPOTrainer(GRPOTrainer):
         if self._source is not None:
             self.rollout_counts["stale_resubmitted"] += self._source.stats.stale_resubmitted
             self.rollout_counts["foreign"] += self._source.stats.foreign_dropped
+            self.rollout_counts["trained_skipped"] += self._source.stats.trained_skipped
             self._source.close()
             self._source = None
         self._opened = False
@@ -533,8 +571,12 @@ class MaskrollGRPOTrainer(GRPOTrainer):
         self._open_source()
         if mode == "train":
             # this rank's share of the global batch; rank 0 keeps the global batch's groups to confirm
+            # one process tops up the read-ahead while it waits (RankedQueue.next_batch's refill); with
+            # several, reading ahead is a collective the other ranks, waiting in the scatter, cannot join
+            rows = len(inputs)
+            refill = (lambda: self._lookahead.fill(rows)) if self._collective.world_size == 1 else None
             taken, whole = trl_ranks.take_shares(
-                self._collective, self._source, len(inputs), self.policy_version
+                self._collective, self._source, rows, self.policy_version, refill=refill
             )
             self._unacked.append(whole)
             records = [r for g, _ in taken for r in g]
@@ -708,13 +750,20 @@ class MaskrollGRPOTrainer(GRPOTrainer):
                 self._source.done(groups)
                 self.rollout_counts["acked"] += sum(len(g) for g in groups)
 
-        trl_ranks.all_stepped(self._collective, confirm)
         if self._diagnose is not None:
             self._log_direction_agreement(*self._diagnose)
             self._diagnose = None
         if self.state.global_step % self.maskroll.publish_every == 0:
+            # Exactly-once across a restart (the recipe's order): the ids this version trains on are
+            # recorded, then it is published, then its records acked — a restart in between acks them
+            # untrained (`_skip_trained`). Between publishes (publish_every > 1) a batch is acked when
+            # used up: its room is the next batches' (admission), and a restarted trainer could not
+            # train a previous life's records again anyway (their dataset rows died with it).
+            held = done + self._unacked
+            trl_ranks.main_answer(self._collective, lambda: self._record_trained(held))
             # the next version; every rank calls it (rank 0 sends), every rank then holds its number
             self._publisher.publish(self.accelerator.unwrap_model(self.model))
+        trl_ranks.all_stepped(self._collective, confirm)
 
     @torch.no_grad()
     def _log_direction_agreement(self, batch: dict[str, Tensor], before: MaskResult) -> None:

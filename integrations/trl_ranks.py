@@ -88,16 +88,21 @@ def _by_group(share: Sequence) -> list[Group]:
 
 
 def take_shares(
-    collective: Collective, source: _Source | None, count: int, version: int
+    collective: Collective,
+    source: _Source | None,
+    count: int,
+    version: int,
+    refill: Callable[[], object] | None = None,
 ) -> tuple[list[tuple[Group, Job]], list[Group]]:
     """This rank's (group, job) pairs of the next global batch of `count` × W records, and (rank 0 only,
     [] elsewhere) the global batch's groups, which rank 0 acks once every rank has stepped (a collective).
-    Every share holds at least one group: a batch with fewer groups than ranks is refused on every rank."""
+    Every share holds at least one group: a batch with fewer groups than ranks is refused on every rank.
+    refill: rank 0's top-up while it waits (`_Source.take`); rank 0's alone, so no collective in it."""
     w = collective.world_size
     taken_all: list[Group] = []
 
     def split() -> list:
-        taken = source.take(count * w, version)
+        taken = source.take(count * w, version, refill)
         taken_all.extend(g for g, _ in taken)
         jobs = {g[0].job_id: job for g, job in taken}
         shares = split_groups([r for g, _ in taken for r in g], w)

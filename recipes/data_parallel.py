@@ -9,7 +9,8 @@ torch.distributed. The model is wrapped in DDP (every rank holds it whole) or sh
 
 Exactly-once across a killed rank (recipes/grpo.py's step): records are acked only after every rank
 finished the step, and rank 0 writes the global batch's rollout ids beside the checkpoints
-(`<weights_root>/trained/v<version>.json`) *before* publishing that version. A trainer killed between
+(`weight_sync.write_trained`: `<weights_root>/trained/v<version>.json`, the checkpoint layout's ledger)
+*before* publishing that version. A trainer killed between
 publishing version v and acking its batch finds, on resume at v, the ids its pending records were
 trained on, and acks them untrained (`RankedQueue.skip_trained`); killed before the publish recorded v,
 it resumes at v − 1 and trains them again — the first training never reached a published version.
@@ -17,19 +18,12 @@ it resumes at v − 1 and trains them again — the first training never reached
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Literal
 
 import torch
 
-from maskroll.client import RolloutRecord
-
 Sharding = Literal["ddp", "fsdp2"]
-TRAINED_DIR = "trained"  # under weights_root: the rollout ids of each published version's batch
-TRAINED_KEEP = 2  # ledgers kept: resume reads only the last published version's
 
 
 def init_ranks():
@@ -108,37 +102,3 @@ def wrap(model: torch.nn.Module, world_size: int, sharding: Sharding = "ddp") ->
 
     dev = next(model.parameters()).device
     return DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None)
-
-
-def trained_path(weights_root: str | os.PathLike, version: int) -> Path:
-    return Path(weights_root) / TRAINED_DIR / f"v{version}.json"
-
-
-def record_trained(
-    weights_root: str | os.PathLike, version: int, run_id: str, batch: Sequence[RolloutRecord]
-) -> Path:
-    """Write the rollout ids `version` is trained on, before it is published (atomic; older pruned)."""
-    path = trained_path(weights_root, version)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    body = {"version": version, "run_id": run_id, "rollout_ids": sorted(r.rollout_id for r in batch)}
-    tmp.write_text(json.dumps(body))
-    os.replace(tmp, path)  # a reader sees the whole list or the previous one
-    for old in range(version - TRAINED_KEEP, -1, -1):
-        stale = trained_path(weights_root, old)
-        if not stale.exists():
-            break
-        stale.unlink()
-    return path
-
-
-def read_trained(weights_root: str | os.PathLike, version: int, run_id: str) -> list[str]:
-    """The rollout ids published version `version` of run `run_id` was trained on ([] when none was
-    recorded: version 0, or a run recorded elsewhere)."""
-    path = trained_path(weights_root, version)
-    if not path.is_file():
-        return []
-    body = json.loads(path.read_text())
-    if body.get("run_id") != run_id or body.get("version") != version:
-        return []
-    return list(body["rollout_ids"])

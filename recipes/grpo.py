@@ -58,7 +58,7 @@ from maskroll.trainer_adapter import (
 )
 from maskroll.trainer_adapter.collate import Batch
 from maskroll.trainer_adapter.distill import distill_advantages
-from maskroll.weight_sync import CHECKPOINT_FILE, checkpoint_dir, make_publisher
+from maskroll.weight_sync import CHECKPOINT_FILE, checkpoint_dir, make_publisher, read_trained, write_trained
 
 from . import data_parallel, digits
 from .config import GRPOConfig
@@ -375,7 +375,8 @@ def _train(
         # every replica now samples from the run's current weights, and every rank's `model` holds them
         publisher.start(model)
         if main and run == "resume":  # killed between publish and ack: the last version's batch is trained
-            rq.skip_trained(data_parallel.read_trained(weights_root, q.policy_version, q.run_id))
+            v = q.policy_version
+            rq.skip_trained(read_trained(weights_root, q.run_id, after=v - 1, through=v))
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)  # after wrap: FSDP2 replaces the parameters
         reward_before = evaluate(eval_address, eval_prompts, cfg, task) if main else None
         if main:
@@ -436,7 +437,8 @@ def _train(
             # Exactly-once: the batch's ids are written before the version that trains on them is
             # published, and the records are acked after it (data_parallel.py says why in this order).
             if main:
-                data_parallel.record_trained(weights_root, publisher.version + 1, q.run_id, rq.global_batch)
+                ids = (r.rollout_id for r in rq.global_batch)
+                write_trained(weights_root, publisher.version + 1, q.run_id, ids)
             publisher.publish(model)  # one optimiser step = one policy version; raises if no replica took it
             hook("published")
             rq.ack(batch)  # every rank has stepped; rank 0 acks the global batch

@@ -11,7 +11,8 @@ trainer passes `collective=` and gets a `RankedPublisher` (`ranked.py`) on every
 an FSDP2 model is gathered one parameter at a time by every rank (`sharded.py`). The calls to the
 replicas themselves — broadcast, push, sync, what each serves — are `broadcast.py`, which takes a
 `maskroll.client.RolloutQueue` for its replica registry, run and policy version: a restarted trainer
-resumes at the run's last version, from its checkpoint.
+resumes at the run's last version, from its checkpoint, and with `read_trained` / `write_trained` (the
+ledger of the rollout ids each version trained on, beside the checkpoints) trains no record twice.
 
 May import torch, safetensors and `maskroll.client` (the queue's replica registry, run and the gRPC
 client); never `maskroll.server`. Importing the package itself loads none of them.
@@ -23,7 +24,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .broadcast import broadcast_weights, push_weights, replica_weights, sync_replicas
-    from .checkpoint import CHECKPOINT_FILE, checkpoint_dir, load_checkpoint, save_checkpoint
+    from .checkpoint import (
+        CHECKPOINT_FILE,
+        checkpoint_dir,
+        load_checkpoint,
+        read_trained,
+        save_checkpoint,
+        write_trained,
+    )
     from .collective import CollectivePublisher
     from .factory import Publisher, Transport, make_publisher
     from .publish import CheckpointPublisher, WeightSyncError
@@ -35,6 +43,8 @@ _LAZY = {
     "checkpoint_dir": "checkpoint",
     "save_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
+    "write_trained": "checkpoint",
+    "read_trained": "checkpoint",
     "CheckpointPublisher": "publish",
     "WeightSyncError": "publish",
     "StreamPublisher": "stream",
@@ -63,9 +73,11 @@ __all__ = [
     "load_checkpoint",
     "make_publisher",
     "push_weights",
+    "read_trained",
     "replica_weights",
     "save_checkpoint",
     "sync_replicas",
+    "write_trained",
 ]
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -34,7 +33,7 @@ import torch
 from maskroll.client import BroadcastError, ReplicaWeights
 
 from . import broadcast
-from .checkpoint import CHECKPOINT_FILE, checkpoint_dir, load_checkpoint, save_checkpoint
+from .checkpoint import CHECKPOINT_FILE, checkpoint_dir, load_checkpoint, prune, save_checkpoint
 from .fingerprint import model_fingerprint
 
 if TYPE_CHECKING:
@@ -242,8 +241,4 @@ class CheckpointPublisher:
         return checked(version, results, self.require_all)
 
     def _prune(self, version: int) -> None:
-        for old in range(version - self.keep, -1, -1):
-            d = checkpoint_dir(self.root, old)
-            if not d.exists():
-                break  # older ones were pruned by an earlier publish (or never written: v0)
-            shutil.rmtree(d)
+        prune(self.root, version, self.keep)  # the checkpoints and their trained-ids ledgers

@@ -410,6 +410,91 @@ def test_the_kl_term_is_trls(loss_type, bias_correction):
     assert float(metrics["ref_kl"]) == pytest.approx(want_logged, rel=1e-12)
 
 
+class _Killed(BaseException):
+    """The trainer process dying (SIGKILL) at the point of the fault-injection hook: nothing after it
+    runs, no except Exception catches it."""
+
+
+@pytest.mark.slow
+def test_trl_killed_between_publish_and_ack_resumes_exactly_once(cluster, tmp_path, monkeypatch):
+    """A trainer dies right after publishing version 2 and before acking the batch it trained on; the
+    resumed one (run="resume", a fresh model from the base weights) loads version 2, acks that batch
+    untrained (the ledger beside the checkpoints), trains new records only and continues at 3, 4."""
+    import maskroll.integrations.trl as trl_module
+    from maskroll.integrations import trl_ranks
+    from maskroll.weight_sync import read_trained
+
+    trained: list[list[str]] = []  # per generation batch: the rollout ids this process trained on
+    real_take = trl_ranks.take_shares
+
+    def take_spy(*args, **kwargs):
+        mine, whole = real_take(*args, **kwargs)
+        trained.append(sorted(r.rollout_id for g, _ in mine for r in g))
+        return mine, whole
+
+    monkeypatch.setattr(trl_ranks, "take_shares", take_spy)
+    kill_after: dict[str, int | None] = {"version": 2}
+    real_make = trl_module.make_publisher
+
+    def make_publisher(*args, **kwargs):  # the fault-injection hook: die once `version` is published
+        pub = real_make(*args, **kwargs)
+        publish = pub.publish
+
+        def publish_then_die(model, version=None):
+            out = publish(model, version)
+            if pub.version == kill_after["version"]:
+                raise _Killed(f"killed after publishing version {pub.version}")
+            return out
+
+        pub.publish = publish_then_die
+        return pub
+
+    monkeypatch.setattr(trl_module, "make_publisher", make_publisher)
+    root = tmp_path / "trainer-weights"  # the trainer's own copy (stream transport) and the ledger
+
+    def trainer(run: str, steps: int) -> MaskrollGRPOTrainer:
+        cfg = MaskrollConfig(
+            redis_url=cluster.redis_url,
+            namespace=cluster.namespace,
+            run=run,
+            weights_root=root,
+            logprobs_k=cluster.logprobs_k,
+            max_staleness=1,
+            min_replicas=2,
+        )
+        return MaskrollGRPOTrainer(
+            AutoModelForCausalLM.from_pretrained(cluster.model_dir, dtype=torch.float32),
+            reward_funcs=DigitReward(),
+            args=_args(tmp_path / run, max_steps=steps),
+            train_dataset=_dataset(),
+            processing_class=_tokenizer(cluster.model_dir),
+            maskroll=cfg,
+        )
+
+    first = trainer("new", 3)
+    with pytest.raises(_Killed):
+        first.train()
+    assert [len(ids) for ids in trained] == [8, 8]  # batch A (v1, acked), batch B (v2, not acked)
+    batch_a, batch_b = trained
+    assert first.rollout_counts["acked"] == 8  # A only: B died between its publish and its ack
+    run_id = redis.Redis.from_url(cluster.redis_url).hget(StreamKeys(cluster.namespace).run, "run_id")
+    ledger = read_trained(root, run_id.decode(), after=1, through=2)
+    assert ledger == set(batch_b)  # written before version 2 was published
+
+    kill_after["version"] = None
+    trained.clear()
+    second = trainer("resume", 2)
+    second.train()
+    assert second.rollout_counts["trained_skipped"] == 8  # B came back at once and was acked untrained
+    assert [len(ids) for ids in trained] == [8, 8]
+    resumed = {rid for ids in trained for rid in ids}
+    assert not resumed & (set(batch_a) | set(batch_b))  # no record trained twice
+    assert second.rollout_counts["acked"] == 16  # every record trained is acked once
+    assert _replica_versions(cluster) == {name: 4 for name in cluster.addresses}  # v2 → 3, 4
+    # the ledgers of the resumed versions name exactly what they trained on
+    assert read_trained(root, run_id.decode(), after=2, through=4) == resumed
+
+
 def test_queue_source_completes_a_batch_when_fewer_jobs_than_a_batch_are_in_flight(cluster):
     """The demo's last-step hang: a trainer holding part of its batch (a group left over from a read
     that brought more than it needed) asks the queue only for what is missing — here one group, when a
@@ -449,6 +534,38 @@ def test_queue_source_completes_a_batch_when_fewer_jobs_than_a_batch_are_in_flig
         source.done([g for g, _ in taken])
         assert source.queue.in_flight == 0 and source.stats.taken == 3
         assert source.queue.max_in_flight == 2 * G  # asking for less did not shrink the admission limit
+    finally:
+        source.close()
+        raw.close()
+
+
+def test_queue_source_refills_while_it_waits(cluster):
+    """take() with nothing in flight: the trainer's refill (every REFILL_S without records) submits the
+    job whose group then completes the batch — without it, a take whose room was freed while it waited
+    (records dropped as stale, a previous life's read first) waits for records no job will make."""
+    opts = SamplingOptions(max_tokens=4, logprobs_k=cluster.logprobs_k)
+    raw = redis.Redis.from_url(cluster.redis_url)
+    run = "resume" if raw.exists(StreamKeys(cluster.namespace).run) else "new"
+    source = QueueSource(
+        cluster.redis_url, cluster.namespace, batch_size=G, max_staleness=0, options=opts, timeout=60, run=run
+    )
+    try:
+        version = max(_replica_versions(cluster).values())
+        source.queue.set_policy_version(version)
+        job, calls = Job([9, 8, 7], list(range(G))), []
+
+        def refill() -> None:
+            calls.append(source.queue.in_flight)
+            if len(calls) == 1:
+                source.submit(job)
+
+        taken = source.take(G, version, refill)
+        assert [j.job_id for _, j in taken] == [job.job_id]
+        assert [r.sample_index for r in taken[0][0]] == list(range(G))
+        assert calls[0] == 0  # called while nothing was in flight: the submit is the refill's
+        source.done([taken[0][0]])
+        assert source.queue.in_flight == 0
+        assert source.queue.consumer == f"{cluster.namespace}-rank0"  # stable across restarts
     finally:
         source.close()
         raw.close()

@@ -48,7 +48,7 @@ class ListSource:
     def __init__(self, fail: Exception | None = None) -> None:
         self.fail, self.asked = fail, []
 
-    def take(self, count: int, version: int):
+    def take(self, count: int, version: int, refill=None):  # refill: rank 0's top-up (unused here)
         self.asked.append([count, version])
         if self.fail is not None:
             raise self.fail

@@ -87,7 +87,7 @@ def _torchrun(
     cmd += [str(HERE / "sharded_ranks.py"), "--model", str(model_dir), "--redis", redis_url]
     cmd += ["--namespace", namespace, "--mode", mode, "--out", str(out), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
