@@ -16,6 +16,7 @@ timeout has passed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -163,11 +164,9 @@ class LocalReplica:
             proc.send_signal(signal.SIGTERM)
 
     def kill(self) -> int:
-        """SIGKILL now; the exit status."""
-        proc = self._started()
-        if proc.poll() is None:
-            proc.kill()
-        return proc.wait()
+        """SIGKILL now, the replica and the processes it started (vLLM's engine core and workers, which a
+        killed `maskroll serve` cannot stop and which would keep their gigabytes); the exit status."""
+        return kill_tree(self._started())
 
     def wait(self, timeout: float | None = None) -> int:
         return self._started().wait(timeout)
@@ -212,6 +211,32 @@ def wait_all(replicas: Iterable[LocalReplica], timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     for r in replicas:
         r.wait_ready(max(0.0, deadline - time.monotonic()))
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs (Linux: /proc/<pid>/task/*/children; elsewhere none)."""
+    found, todo = [], [pid]
+    while todo:
+        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                kids = [int(k) for k in children.read_text().split()]
+            except OSError:  # the task exited meanwhile
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> int:
+    """SIGKILL `proc` and every process it started (collected first: once it is dead they are orphans,
+    re-parented away from it); its exit status. Only descendants of a process we started are signalled."""
+    if proc.poll() is None:
+        family = descendants(proc.pid)
+        proc.kill()
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):  # already gone
+                os.kill(pid, signal.SIGKILL)
+    return proc.wait()
 
 
 def stop_all(replicas: Iterable[LocalReplica], timeout: float = 30.0) -> list[int | None]:

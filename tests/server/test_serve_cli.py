@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from maskroll.client import RecordAssembler, RolloutClient, RolloutError, SamplingOptions
-from maskroll.local.replica import LocalReplica
+from maskroll.local.replica import LocalReplica, descendants, kill_tree
 
 pytestmark = pytest.mark.slow
 PROMPT = [256, 83]
@@ -187,3 +187,28 @@ def test_engine_arguments_vllm_refuses_exit_2_naming_them(tiny_model_dir, tmp_pa
     assert out.returncode == 2, out.stderr[-3000:]
     for needle in needles:
         assert needle in out.stderr, out.stderr[-3000:]
+
+
+def test_kill_takes_the_processes_a_replica_started_with_it():
+    """A SIGKILLed `maskroll serve` cannot stop what it started (vLLM's engine core and workers, GBs
+    each): LocalReplica.kill goes through local.replica.kill_tree, which kills them too. A shell that
+    starts two sleepers stands in for the replica: both are gone afterwards, the shell's status is -9."""
+    proc = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"])
+    deadline = time.monotonic() + 10
+    while len(kids := descendants(proc.pid)) < 2:
+        assert time.monotonic() < deadline, f"the shell started {kids}"
+        time.sleep(0.05)
+    assert kill_tree(proc) == -signal.SIGKILL
+    for pid in kids:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and "Z" not in _state(pid):
+            assert time.monotonic() < deadline, f"{pid} survived kill_tree"
+            time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (Z: a zombie, dead and waiting for its new parent to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
