@@ -142,7 +142,7 @@ def test_broadcast_weights_reaches_every_live_replica(model_dir, tmp_path):
     other = init_model(tmp_path / "other", seed=1)  # same architecture, different weights
     shutil.copy(other / "model.safetensors", root / "v1" / "model.safetensors")
     with LocalRedis(password="s3cret") as srv:  # a password in the URL reaches every component
-        reps = Replicas(model_dir, srv.url, "weights")
+        reps = Replicas(model_dir, srv.url, "weights", log_dir=tmp_path)  # kept: a stuck drain shows why
         for name in ("rep-1", "rep-2"):
             reps.start(name, "--weights-root", str(root))
         try:
@@ -171,4 +171,5 @@ def test_broadcast_weights_reaches_every_live_replica(model_dir, tmp_path):
                     time.sleep(0.1)
         finally:
             codes = reps.stop_all()
-        assert set(codes.values()) == {0}, codes
+        stuck = {name: reps.log(name).read_text()[-3000:] for name, code in codes.items() if code != 0}
+        assert set(codes.values()) == {0}, (codes, stuck)
