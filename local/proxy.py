@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .redis_server import free_port
+from .redis_server import free_port, stop_process
 
 # deploy/ is beside the package folders in the source tree (an editable install, the container image).
 CADDYFILE = Path(__file__).resolve().parents[1] / "deploy" / "proxy" / "Caddyfile"
@@ -121,15 +121,8 @@ class LocalProxy:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (Caddy closes its listeners), SIGKILL if it does not exit in time."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout)
         self.proc = None
 
     def close(self) -> None:

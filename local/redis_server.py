@@ -33,6 +33,17 @@ def find_redis_server() -> str:
     return str(path)
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, then SIGKILL if `proc` has not exited after `timeout` s; waits for it either way."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -117,15 +128,8 @@ class LocalRedis:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (Redis flushes its AOF), SIGKILL if it does not exit in time."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout)
         self.proc = None
 
     def kill(self) -> None:
