@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -112,6 +112,17 @@ class QueueFleet:
         return broadcast.adopt_replicas(self.queue, fingerprint, timeout)
 
 
+def publish_first(publish: Callable[[torch.nn.Module, int], dict[str, str]], model: torch.nn.Module) -> dict:
+    """A new run's version 0 through `publish` (a publisher's): its results, {} when no replica is live
+    yet; a replica that was there and did not take it raises (WeightSyncError)."""
+    try:
+        return publish(model, 0)
+    except WeightSyncError as e:
+        if e.results:
+            raise
+        return {}
+
+
 def _starting(adopted: Mapping[str, str], results: Mapping[str, str]) -> str:
     """How a new run's version 0 reached the replicas, for the log."""
     took = {r: "adopted (its starting weights are this model)" for r, e in adopted.items() if e == "ok"}
@@ -189,12 +200,7 @@ class CheckpointPublisher:
             self._checked(run.version, lambda: fleet.sync_replicas(timeout=self.timeout))
             return run.version
         adopted = fleet.adopt_replicas(model_fingerprint(model)) if hasattr(fleet, "adopt_replicas") else {}
-        try:
-            results = self.publish(model, 0)
-        except WeightSyncError as e:
-            if e.results:  # some replica was there and did not take it
-                raise
-            results = {}
+        results = publish_first(self.publish, model)
         log.info("run %s starts at version 0: %s", run.run_id, _starting(adopted, results))
         return 0
 

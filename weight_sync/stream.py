@@ -40,7 +40,7 @@ from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES, TensorSpec, WeightsM
 from . import broadcast
 from .checkpoint import checkpoint_dir, load_checkpoint, prune
 from .fingerprint import model_fingerprint
-from .publish import WeightSyncError, checked, next_version
+from .publish import WeightSyncError, checked, next_version, publish_first
 from .sharded import WrittenVersion, safetensors_header, version_file
 
 log = logging.getLogger(__name__)
@@ -230,12 +230,7 @@ class StreamPublisher:
             self.catch_up()
             return run.version
         self._fingerprint = model_fingerprint(model)
-        try:
-            results = self.publish(model, 0)
-        except WeightSyncError as e:
-            if e.results:  # some replica was there and did not take it
-                raise
-            results = {}
+        results = publish_first(self.publish, model)
         log.info("run %s starts at version 0: %s", run.run_id, results or "no live replica yet")
         return 0
 
