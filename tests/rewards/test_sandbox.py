@@ -363,6 +363,20 @@ def test_runs_from_worker_threads() -> None:
     assert sorted(r.stdout for r in results) == ["0\n", "1\n", "4\n", "9\n"]
 
 
+def test_starting_a_run_runs_no_python_fork_handlers(tmp_path: pathlib.Path) -> None:
+    """A run must not fork this process with Python's at-fork handlers (Popen's preexec_fn does): gRPC's
+    restart its poller in the child, which aborted bwrap's set-up in CI ("epoll_wait error: Bad file
+    descriptor", exit -6). The handler below would leave a file per fork that ran it."""
+    armed = [tmp_path]  # handlers cannot be unregistered: emptied at the end, this one does nothing
+    os.register_at_fork(after_in_child=lambda: [(d / f"fork-{os.getpid()}").touch() for d in armed])
+    try:
+        assert run("print(6 * 7)").stdout == "42\n"
+        assert run("x = bytearray(1 << 31)", memory_mb=64).stopped == "memory"  # the limits still hold
+        assert sorted(p.name for p in tmp_path.glob("fork-*")) == []
+    finally:
+        armed.clear()
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="language='ruby'"):
         run("puts 1", language="ruby")  # type: ignore[arg-type]
