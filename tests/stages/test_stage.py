@@ -72,6 +72,23 @@ async def wait_for(cond, timeout: float = 20.0, every: float = 0.05):
     return value
 
 
+async def freeze_mid_batch(r, proc, finished: str, group: str, done: str, total: int, timeout: float = 60.0):
+    """SIGSTOP `proc` (a stage worker) at a moment it holds records unacknowledged (pending in `group` of
+    `finished`) after it has published some but not all `total` records to `done`, so that a SIGKILL after
+    this lands mid-batch. A worker frozen between batches (nothing pending) is let go and caught later:
+    asserting on one lucky poll made these tests flaky under load."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (await r.xpending(finished, group))["pending"] > 0 and 0 < await r.xlen(done) < total:
+            proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(0.3)  # what it had already sent to Redis lands
+            if (await r.xpending(finished, group))["pending"] > 0 and await r.xlen(done) < total:
+                return
+            proc.send_signal(signal.SIGCONT)
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"the worker never held records mid-batch within {timeout} s")
+
+
 @contextlib.asynccontextmanager
 async def worker(url: str, namespace: str, reward: str, **kw):
     cfg = RewardStageConfig(redis_url=url, namespace=namespace, reward=f"stage_rewards:{reward}", **kw)
@@ -279,7 +296,7 @@ def test_a_reward_worker_killed_mid_batch_loses_and_repeats_nothing(
             p1 = _reward_proc(redis_server.url, namespace, "slow", *flags, "--worker-id", "w1", log=f)
         try:
             _wait_ready(p1, log1)
-            await wait_for(lambda: _when(count(r, keys), lambda n: n >= 8), timeout=30)
+            await freeze_mid_batch(r, p1, keys.part(0).finished, REWARD_GROUP, keys.rollouts, total)
             p1.send_signal(signal.SIGKILL)
             p1.wait(10)
         finally:

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_stage import HERE, feed, record, wait_for
+from test_stage import HERE, feed, freeze_mid_batch, record, wait_for
 
 from maskroll.client.rollout_client import RolloutClient
 from maskroll.local.replica import LocalReplica
@@ -260,10 +260,6 @@ async def _at_least(r, keys, n: int):
     return out if len(out) >= n else None
 
 
-async def _when_positive(aw):
-    return True if await aw > 0 else None
-
-
 async def _when_zero(aw):
     return True if await aw == 0 else None
 
@@ -304,7 +300,7 @@ def test_a_teacher_worker_killed_mid_batch_loses_and_repeats_nothing(
             )
         try:
             _wait_ready(p1, log1)
-            await wait_for(lambda: _when_positive(r.xlen(keys.rollouts)), timeout=60, every=0.005)
+            await freeze_mid_batch(r, p1, keys.part(0).finished, TEACHER_GROUP, keys.rollouts, total)
             p1.send_signal(signal.SIGKILL)
             p1.wait(10)
         finally:
