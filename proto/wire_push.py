@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from . import varint
 from ._generated import rollout_pb2 as pb
-from .tensor_push import CollectiveSpec, TensorSpec, WeightsManifest
+from .tensor_push import AdapterSpec, CollectiveSpec, TensorSpec, WeightsManifest
 
 
 def tensor_spec_to_pb(t: TensorSpec) -> pb.TensorSpec:
@@ -22,10 +22,29 @@ def tensor_spec_from_pb(m: pb.TensorSpec) -> TensorSpec:
     return TensorSpec(name=m.name, dtype=m.dtype, shape=tuple(m.shape), nbytes=m.nbytes, crc32=m.crc32)
 
 
+def adapter_spec_to_pb(a: AdapterSpec) -> pb.AdapterSpec:
+    return pb.AdapterSpec(
+        rank=a.rank, alpha=a.alpha, target_modules=list(a.target_modules), base_fingerprint=a.base_fingerprint
+    )
+
+
+def adapter_spec_from_pb(m: pb.AdapterSpec) -> AdapterSpec:
+    return AdapterSpec(
+        rank=m.rank,
+        alpha=m.alpha,
+        target_modules=tuple(m.target_modules),
+        base_fingerprint=m.base_fingerprint,
+    )
+
+
 def manifest_to_pb(m: WeightsManifest) -> pb.WeightsPushChunk:
     return pb.WeightsPushChunk(
         manifest=pb.WeightsManifest(
-            version=m.version, run_id=m.run_id, tensors=[tensor_spec_to_pb(t) for t in m.tensors]
+            version=m.version,
+            run_id=m.run_id,
+            tensors=[tensor_spec_to_pb(t) for t in m.tensors],
+            adapter=None if m.adapter is None else adapter_spec_to_pb(m.adapter),
+            namespace=m.namespace,
         )
     )
 
@@ -42,7 +61,11 @@ def manifest_from_pb(m: pb.WeightsPushChunk | bytes) -> WeightsManifest:
         raise ValueError("a PushWeights call must start with its manifest, got a data chunk first")
     mf = m.manifest
     return WeightsManifest(
-        version=mf.version, run_id=mf.run_id, tensors=tuple(tensor_spec_from_pb(t) for t in mf.tensors)
+        version=mf.version,
+        run_id=mf.run_id,
+        tensors=tuple(tensor_spec_from_pb(t) for t in mf.tensors),
+        adapter=adapter_spec_from_pb(mf.adapter) if mf.HasField("adapter") else None,
+        namespace=mf.namespace,
     )
 
 

@@ -42,6 +42,9 @@ PLACEHOLDER_MESSAGE = (
 REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url takes
 
 
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # the namespace field's own rule
+
+
 def _placeholder(secret: str) -> bool:
     low = secret.lower()
     return any(p in low for p in PLACEHOLDER_SECRETS)
@@ -313,6 +316,21 @@ class ServerConfig(BaseSettings):
     how long the replica waits for that push before it starts on its own weights."""
     advertise_address: str | None = Field(None, min_length=1)
     """host:port trainers use to reach this replica's gRPC (weight updates); default host:port."""
+    max_lora_rank: int = Field(0, ge=0, le=512)
+    """LoRA (docs/lora.md): the largest adapter rank this replica applies to its --model; 0 = LoRA off
+    (pushed adapters are refused). vLLM: enable_lora with this max_lora_rank (one of 8, 16, 32, 64, 128,
+    256, 320, 512 there; a smaller adapter is padded)."""
+    max_loras: int = Field(4, ge=1, le=256)
+    """LoRA: adapters resident at once over every namespace served (vLLM's max_loras and max_cpu_loras:
+    GPU memory for this many adapters of max_lora_rank). A push that would exceed it evicts the least
+    recently used adapter no request is sampling with, never a namespace's current one."""
+    lora_versions: int = Field(2, ge=1, le=64)
+    """LoRA: versions of one run's adapter kept resident (the current one, and the older ones requests
+    started with may still be sampling from): the trainer's max_staleness + 1; older ones are evicted."""
+    lora_namespaces: tuple[str, ...] = ()
+    """LoRA, several runs on one fleet: further namespaces this replica serves besides --namespace, each
+    a LoRA run on --model (comma-separated). It pulls every namespace's jobs, joins every run and samples
+    each job with its own run's adapter (docs/lora.md "Several runs, one fleet")."""
 
     @field_validator("model")
     @classmethod
@@ -323,6 +341,18 @@ class ServerConfig(BaseSettings):
         if not (v / "config.json").is_file():
             raise ValueError(f"model directory {str(v)!r} has no config.json (not a Hugging Face model)")
         return v.resolve()
+
+    @field_validator("lora_namespaces", mode="before")
+    @classmethod
+    def _lora_namespaces(cls, v: object) -> object:
+        if isinstance(v, str):  # the flag and the environment: a,b,c
+            v = tuple(x.strip() for x in v.split(",") if x.strip())
+        for name in v or ():
+            if not isinstance(name, str) or not _NAMESPACE.fullmatch(name):
+                raise ValueError(f"lora_namespaces: {name!r} is not a namespace ([A-Za-z0-9_.-], 1-128)")
+        if len(set(v or ())) != len(v or ()):
+            raise ValueError(f"lora_namespaces names a namespace twice: {list(v)}")
+        return v
 
     @field_validator("weights_root")
     @classmethod
@@ -386,6 +416,13 @@ class ServerConfig(BaseSettings):
             )
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"metrics_port={self.metrics_port} equals port={self.port}; use two ports")
+        if self.lora_namespaces and (self.max_lora_rank == 0 or self.redis_url is None):
+            raise ValueError(
+                f"lora_namespaces={list(self.lora_namespaces)} serves several LoRA runs: it needs "
+                f"max_lora_rank > 0 (got {self.max_lora_rank}) and redis_url (their runs live in Redis)"
+            )
+        if self.namespace in self.lora_namespaces:
+            raise ValueError(f"namespace {self.namespace!r} is also in lora_namespaces; name it once")
         if self.pull and self.redis_url is None:
             raise ValueError("pull=True needs redis_url (the prompt stream lives in Redis)")
         if self.reward and self.redis_url is None:
@@ -480,6 +517,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         *("reward", "reward_timeout_s", "reward_concurrency"),
     ),
     "weights": ("weights_root", "join_timeout_s"),
+    "LoRA": ("max_lora_rank", "max_loras", "lora_versions", "lora_namespaces"),
     "security": ("auth_token", "tls_cert", "tls_key"),
 }
 

@@ -42,7 +42,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., logprobs_k: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "options", "request_id", "job_id", "group_id", "metadata", "include_record_arrays", "rollout_stream")
+    __slots__ = ("prompt_token_ids", "options", "request_id", "job_id", "group_id", "metadata", "include_record_arrays", "rollout_stream", "namespace")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class GenerateRequest(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_RECORD_ARRAYS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_STREAM_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: bytes
     options: SamplingOptions
     request_id: str
@@ -66,7 +67,8 @@ class GenerateRequest(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     include_record_arrays: bool
     rollout_stream: str
-    def __init__(self, prompt_token_ids: _Optional[bytes] = ..., options: _Optional[_Union[SamplingOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., include_record_arrays: _Optional[bool] = ..., rollout_stream: _Optional[str] = ...) -> None: ...
+    namespace: str
+    def __init__(self, prompt_token_ids: _Optional[bytes] = ..., options: _Optional[_Union[SamplingOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., include_record_arrays: _Optional[bool] = ..., rollout_stream: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class Semantics(_message.Message):
     __slots__ = ("logprobs_mode", "temperature", "top_p", "top_k", "logprobs_k", "engine", "engine_version", "model")
@@ -97,7 +99,7 @@ class VersionChange(_message.Message):
     def __init__(self, token_index: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class RolloutRecord(_message.Message):
-    __slots__ = ("schema_version", "rollout_id", "request_id", "job_id", "group_id", "sample_index", "metadata", "prompt_token_ids", "completion_token_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs", "num_tokens", "finish_reason", "semantics", "policy_version_first", "policy_version_last", "version_changes", "replica_id", "created_at", "group_size", "run_id", "loss_mask", "segment_starts", "num_turns", "reward", "reward_verifier", "reward_reason", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_sampled_logprobs", "teacher_semantics", "teacher_policy_version")
+    __slots__ = ("schema_version", "rollout_id", "request_id", "job_id", "group_id", "sample_index", "metadata", "prompt_token_ids", "completion_token_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs", "num_tokens", "finish_reason", "semantics", "policy_version_first", "policy_version_last", "version_changes", "replica_id", "created_at", "group_size", "run_id", "loss_mask", "segment_starts", "num_turns", "reward", "reward_verifier", "reward_reason", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_sampled_logprobs", "teacher_semantics", "teacher_policy_version", "adapter")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +141,7 @@ class RolloutRecord(_message.Message):
     TEACHER_SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEACHER_SEMANTICS_FIELD_NUMBER: _ClassVar[int]
     TEACHER_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     rollout_id: str
     request_id: str
@@ -173,7 +176,8 @@ class RolloutRecord(_message.Message):
     teacher_sampled_logprobs: bytes
     teacher_semantics: Semantics
     teacher_policy_version: int
-    def __init__(self, schema_version: _Optional[int] = ..., rollout_id: _Optional[str] = ..., request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_token_ids: _Optional[bytes] = ..., completion_token_ids: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., sampled_ranks: _Optional[bytes] = ..., topk_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., semantics: _Optional[_Union[Semantics, _Mapping]] = ..., policy_version_first: _Optional[int] = ..., policy_version_last: _Optional[int] = ..., version_changes: _Optional[_Iterable[_Union[VersionChange, _Mapping]]] = ..., replica_id: _Optional[str] = ..., created_at: _Optional[float] = ..., group_size: _Optional[int] = ..., run_id: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., segment_starts: _Optional[_Iterable[int]] = ..., num_turns: _Optional[int] = ..., reward: _Optional[float] = ..., reward_verifier: _Optional[str] = ..., reward_reason: _Optional[str] = ..., teacher_topk_ids: _Optional[bytes] = ..., teacher_topk_logprobs: _Optional[bytes] = ..., teacher_sampled_logprobs: _Optional[bytes] = ..., teacher_semantics: _Optional[_Union[Semantics, _Mapping]] = ..., teacher_policy_version: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, schema_version: _Optional[int] = ..., rollout_id: _Optional[str] = ..., request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_token_ids: _Optional[bytes] = ..., completion_token_ids: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., sampled_ranks: _Optional[bytes] = ..., topk_ids: _Optional[bytes] = ..., topk_logprobs: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., semantics: _Optional[_Union[Semantics, _Mapping]] = ..., policy_version_first: _Optional[int] = ..., policy_version_last: _Optional[int] = ..., version_changes: _Optional[_Iterable[_Union[VersionChange, _Mapping]]] = ..., replica_id: _Optional[str] = ..., created_at: _Optional[float] = ..., group_size: _Optional[int] = ..., run_id: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., segment_starts: _Optional[_Iterable[int]] = ..., num_turns: _Optional[int] = ..., reward: _Optional[float] = ..., reward_verifier: _Optional[str] = ..., reward_reason: _Optional[str] = ..., teacher_topk_ids: _Optional[bytes] = ..., teacher_topk_logprobs: _Optional[bytes] = ..., teacher_sampled_logprobs: _Optional[bytes] = ..., teacher_semantics: _Optional[_Union[Semantics, _Mapping]] = ..., teacher_policy_version: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("request_id", "sample_index", "start_index", "token_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs", "logprobs_k", "policy_version", "record")
@@ -242,14 +246,30 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class WeightsManifest(_message.Message):
-    __slots__ = ("version", "run_id", "tensors")
+    __slots__ = ("version", "run_id", "tensors", "adapter", "namespace")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     version: int
     run_id: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, version: _Optional[int] = ..., run_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    adapter: AdapterSpec
+    namespace: str
+    def __init__(self, version: _Optional[int] = ..., run_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., adapter: _Optional[_Union[AdapterSpec, _Mapping]] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class AdapterSpec(_message.Message):
+    __slots__ = ("rank", "alpha", "target_modules", "base_fingerprint")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    base_fingerprint: str
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., base_fingerprint: _Optional[str] = ...) -> None: ...
 
 class WeightsPushChunk(_message.Message):
     __slots__ = ("manifest", "data")
@@ -304,7 +324,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "engine", "engine_version", "maskroll_version", "policy_version", "max_logprobs_k", "max_model_len", "vocab_size", "max_tokens", "max_n", "logprobs_mode", "replica_id", "max_message_bytes", "dtype", "seed", "max_batch", "tensor_parallel_size", "quantization", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization", "kv_cache_tokens", "run_id", "weights_fingerprint", "in_flight", "jobs_running", "generated_tokens", "published_records", "tokenizer_fingerprint")
+    __slots__ = ("model", "engine", "engine_version", "maskroll_version", "policy_version", "max_logprobs_k", "max_model_len", "vocab_size", "max_tokens", "max_n", "logprobs_mode", "replica_id", "max_message_bytes", "dtype", "seed", "max_batch", "tensor_parallel_size", "quantization", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization", "kv_cache_tokens", "run_id", "weights_fingerprint", "in_flight", "jobs_running", "generated_tokens", "published_records", "tokenizer_fingerprint", "base_fingerprint", "max_lora_rank", "max_loras", "adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +354,10 @@ class ServerInfo(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_RECORDS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     engine_version: str
@@ -363,7 +387,25 @@ class ServerInfo(_message.Message):
     generated_tokens: int
     published_records: int
     tokenizer_fingerprint: str
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., maskroll_version: _Optional[str] = ..., policy_version: _Optional[int] = ..., max_logprobs_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_n: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., replica_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_tokens: _Optional[int] = ..., run_id: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., in_flight: _Optional[int] = ..., jobs_running: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., published_records: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    base_fingerprint: str
+    max_lora_rank: int
+    max_loras: int
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., maskroll_version: _Optional[str] = ..., policy_version: _Optional[int] = ..., max_logprobs_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_n: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., replica_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_tokens: _Optional[int] = ..., run_id: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., in_flight: _Optional[int] = ..., jobs_running: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., published_records: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., base_fingerprint: _Optional[str] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("namespace", "run_id", "version", "name", "rank")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    run_id: str
+    version: int
+    name: str
+    rank: int
+    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., version: _Optional[int] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class PromptJob(_message.Message):
     __slots__ = ("job_id", "prompt_token_ids", "options", "group_id", "metadata", "submitted_at", "rollout_stream", "schema_version", "run_id")
@@ -395,7 +437,7 @@ class PromptJob(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., options: _Optional[_Union[SamplingOptions, _Mapping]] = ..., group_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., submitted_at: _Optional[float] = ..., rollout_stream: _Optional[str] = ..., schema_version: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "completion_token_ids", "logprobs_k", "temperature", "top_p", "top_k", "request_id")
+    __slots__ = ("prompt_token_ids", "completion_token_ids", "logprobs_k", "temperature", "top_p", "top_k", "request_id", "namespace")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_K_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +445,7 @@ class ScoreRequest(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: bytes
     completion_token_ids: _containers.RepeatedScalarFieldContainer[bytes]
     logprobs_k: int
@@ -410,7 +453,8 @@ class ScoreRequest(_message.Message):
     top_p: float
     top_k: int
     request_id: str
-    def __init__(self, prompt_token_ids: _Optional[bytes] = ..., completion_token_ids: _Optional[_Iterable[bytes]] = ..., logprobs_k: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    namespace: str
+    def __init__(self, prompt_token_ids: _Optional[bytes] = ..., completion_token_ids: _Optional[_Iterable[bytes]] = ..., logprobs_k: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., request_id: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class ScoredCompletion(_message.Message):
     __slots__ = ("logprobs", "ranks", "topk_ids", "topk_logprobs", "num_tokens")

@@ -33,6 +33,7 @@ import numpy as np
 
 from maskroll.proto import sampling
 from maskroll.proto.prompts import prompt_problem
+from maskroll.proto.tensor_push import AdapterSpec
 
 
 class EngineDead(Exception):
@@ -56,10 +57,35 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class AdapterRef:
+    """A LoRA adapter resident in an engine (docs/lora.md): one per (namespace, run, version), so an engine
+    that caches KV by adapter (vLLM's prefix cache) never mixes versions. A request naming it is sampled
+    with base + adapter from its first token to its last, and every output says `version`."""
+
+    name: str  # "<namespace>/<run_id>/v<version>": RolloutRecord.adapter
+    id: int  # >= 1, never reused in the replica's life (vLLM's lora_int_id)
+    version: int  # the run's policy version this adapter is
+    namespace: str
+    run_id: str
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """An adapter's tensors, checked (`weights.tensor_rules.check_adapter`) against the served base:
+    "<module>.lora_A.weight" [rank, in] and "<module>.lora_B.weight" [out, rank] (torch tensors, the
+    pushed dtype) for each targeted Linear "<module>" of the base; spec: rank, alpha (scale alpha/rank),
+    PEFT's target_modules, the base fingerprint."""
+
+    spec: AdapterSpec
+    tensors: dict  # {name: torch.Tensor}
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     request_id: str  # unique per sample
     prompt_ids: np.ndarray  # int32 [P]
     params: SamplingParams
+    adapter: AdapterRef | None = None  # sample with base + this resident adapter; None: the base weights
 
 
 @dataclass
@@ -97,6 +123,7 @@ class ScoreRequest:
     prompt_ids: np.ndarray  # int32 [P]
     completions: tuple[np.ndarray, ...]  # int32 [T_i] each
     params: SamplingParams
+    adapter: AdapterRef | None = None  # score under base + this resident adapter
 
 
 @dataclass
@@ -233,6 +260,21 @@ class Engine(abc.ABC):
         """Load safetensors weights from `checkpoint_dir` and make `version` current. In-flight requests
         are paused (not dropped) while loading and resume under the new version. Returns the number of
         requests that were in flight."""
+
+    @property
+    def max_lora_rank(self) -> int:
+        """The largest adapter rank this engine can apply; 0: it takes no adapters (LoRA off)."""
+        return 0
+
+    async def add_adapter(self, ref: AdapterRef, weights: LoraWeights) -> None:
+        """Make `ref` resident: requests naming it are sampled with base + adapter. The tensors were
+        checked against the base; an engine that cannot take them raises ValueError (the old adapters
+        keep serving). Requests in flight are not paused: none of them names `ref` yet."""
+        raise NotImplementedError(f"the {self.name} engine takes no LoRA adapters")
+
+    async def remove_adapter(self, ref: AdapterRef) -> None:
+        """Drop a resident adapter no request in flight names any more (the adapter table's eviction)."""
+        raise NotImplementedError(f"the {self.name} engine takes no LoRA adapters")
 
     async def score(self, request: ScoreRequest) -> ScoreOutput:
         """Score the request's completions without sampling (`ScoreOutput`), all under one policy
