@@ -189,10 +189,12 @@ class RolloutClient:
         metadata: dict[str, str] | None = None,
         include_record_arrays: bool = False,
         timeout: float | None = None,
+        namespace: str = "",
     ) -> ChunkStream:
         """Stream the chunks of every sample as the server produces them; each sample's last chunk
         carries its record (arrays only with include_record_arrays; otherwise reassemble them with
-        RecordAssembler, as generate_records does)."""
+        RecordAssembler, as generate_records does). namespace: on a replica serving LoRA runs, sample
+        with that namespace's current adapter ("": the replica's own namespace; docs/lora.md)."""
         request = wire.generate_request(
             _prompt_array(prompt_ids),
             _checked(options or SamplingOptions()),
@@ -201,6 +203,7 @@ class RolloutClient:
             group_id=group_id,
             metadata=metadata,
             include_record_arrays=include_record_arrays,
+            namespace=namespace,
         )
         return ChunkStream(self._rollout().Generate(request, metadata=self._metadata, timeout=timeout))
 
@@ -214,11 +217,13 @@ class RolloutClient:
         group_id: str = "",
         metadata: dict[str, str] | None = None,
         timeout: float | None = None,
+        namespace: str = "",
     ) -> list[RolloutRecord]:
         """All n samples' records, ordered by sample index (keyword arguments as for `generate`)."""
         options = options or SamplingOptions()
         assembler, records = RecordAssembler(), {}
         kw = dict(request_id=request_id, job_id=job_id, group_id=group_id, metadata=metadata, timeout=timeout)
+        kw["namespace"] = namespace
         async with self.generate(prompt_ids, options, **kw) as stream:
             async for chunk in stream:
                 record = assembler.add(chunk)
@@ -241,6 +246,7 @@ class RolloutClient:
         group_id: str = "",
         metadata: dict[str, str] | None = None,
         timeout: float | None = None,
+        namespace: str = "",
     ) -> RolloutRecord:
         """The one record of an n=1 request."""
         options = options or SamplingOptions()
@@ -250,7 +256,7 @@ class RolloutClient:
                 f"generate_record is for n=1 (got n={options.n}); use generate_records",
             )
         kw = dict(request_id=request_id, job_id=job_id, group_id=group_id, metadata=metadata, timeout=timeout)
-        return (await self.generate_records(prompt_ids, options, **kw))[0]
+        return (await self.generate_records(prompt_ids, options, namespace=namespace, **kw))[0]
 
     # ---- scoring --------------------------------------------------------------------------------
 
@@ -262,10 +268,12 @@ class RolloutClient:
         *,
         request_id: str = "",
         timeout: float | None = None,
+        namespace: str = "",
     ) -> ScoreResult:
         """Score `completions` of `prompt_ids` without sampling: per completion token the given token's
         log μ and rank and the top-K of μ, the processed distribution at `options`' temperature /
-        top_k / top_p (a record's μ for the same options; docs/records.md "Scoring")."""
+        top_k / top_p (a record's μ for the same options; docs/records.md "Scoring"). namespace: under
+        that namespace's current LoRA adapter, as `generate`."""
         options = options or ScoreOptions()
         job = ScoreJob(
             _prompt_array(prompt_ids), tuple(_prompt_array(c) for c in completions), options, request_id
@@ -273,7 +281,7 @@ class RolloutClient:
         problems = options.problems()
         if problems:  # the server's words, without the round trip
             raise RolloutError(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
-        request = wire.score_request(job)
+        request = wire.score_request(job, namespace=namespace)
         return wire.score_result_from_pb(await self._unary(self._rollout().Score, request, timeout))
 
     # ---- weights and info -----------------------------------------------------------------------

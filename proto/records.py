@@ -166,6 +166,10 @@ class RolloutRecord:
     teacher_sampled_logprobs: np.ndarray | None = None  # float32 [T] log μ_teacher(completion token)
     teacher_semantics: Semantics | None = None
     teacher_policy_version: int = 0
+    # The LoRA adapter that sampled every token, "<namespace>/<run_id>/v<version>" (docs/lora.md); "": the
+    # replica's full weights. Its version is policy_version_first == policy_version_last (an adapter
+    # request never changes version mid-sample).
+    adapter: str = ""
 
     @property
     def has_teacher(self) -> bool:
@@ -343,6 +347,17 @@ class RecordAssembler:
 
 
 @dataclass(frozen=True)
+class AdapterInfo:
+    """A namespace's current LoRA adapter on a replica (GetInfo.adapters; docs/lora.md)."""
+
+    namespace: str
+    run_id: str
+    version: int
+    name: str  # "<namespace>/<run_id>/v<version>": RolloutRecord.adapter of what it samples
+    rank: int
+
+
+@dataclass(frozen=True)
 class ServerInfo:
     """What a replica serves and the limits it enforces (GetInfo)."""
 
@@ -377,6 +392,13 @@ class ServerInfo:
     generated_tokens: int = 0
     published_records: int = 0
     tokenizer_fingerprint: str = ""  # of --model's tokenizer (proto/tokenizer_fingerprint.py); "" = none
+    # LoRA (docs/lora.md): the fingerprint of the base adapters apply to ("" once full weights replaced
+    # it, or unknown); the largest rank taken (0 = LoRA off); adapters resident at once; each served
+    # namespace's current adapter.
+    base_fingerprint: str = ""
+    max_lora_rank: int = 0
+    max_loras: int = 0
+    adapters: tuple[AdapterInfo, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from ._generated import rollout_pb2 as pb
 from .records import (
     MULTI_TURN_SCHEMA_VERSION,
     SCHEMA_VERSION,
+    AdapterInfo,
     PromptJob,
     RolloutChunk,
     RolloutRecord,
@@ -99,7 +100,9 @@ def generate_request(
     metadata: dict[str, str] | None = None,
     include_record_arrays: bool = False,
     rollout_stream: str = "",
+    namespace: str = "",
 ) -> pb.GenerateRequest:
+    """namespace: sample with that namespace's current LoRA adapter ("": the replica's own namespace)."""
     return pb.GenerateRequest(
         prompt_token_ids=pack(np.asarray(prompt_ids), _I32),
         options=options_to_pb(options),
@@ -109,6 +112,7 @@ def generate_request(
         metadata=metadata or {},
         include_record_arrays=include_record_arrays,
         rollout_stream=rollout_stream,
+        namespace=namespace,
     )
 
 
@@ -182,6 +186,7 @@ def record_to_pb(r: RolloutRecord, *, arrays: bool = True) -> pb.RolloutRecord:
         created_at=r.created_at,
         group_size=r.group_size,
         run_id=r.run_id,
+        adapter=r.adapter,
     )
     if multi_turn:
         msg.segment_starts.extend(r.segment_starts)
@@ -338,6 +343,7 @@ def _record_from(m: pb.RolloutRecord, arrays: bool, blobs: dict, views: bool = F
         reward=m.reward if m.HasField("reward") else None,
         reward_verifier=m.reward_verifier,
         reward_reason=m.reward_reason,
+        adapter=m.adapter,
     )
     if m.HasField("teacher_semantics"):
         kt = m.teacher_semantics.logprobs_k
@@ -492,11 +498,18 @@ def chunk_from_pb(m: pb.GenerateChunk) -> RolloutChunk:
 
 
 def info_to_pb(i: ServerInfo) -> pb.ServerInfo:
-    return pb.ServerInfo(**i.__dict__)
+    fields = dict(i.__dict__)
+    fields["adapters"] = [pb.AdapterInfo(**a.__dict__) for a in i.adapters]
+    return pb.ServerInfo(**fields)
 
 
 def info_from_pb(m: pb.ServerInfo) -> ServerInfo:
-    return ServerInfo(**{name: getattr(m, name) for name in ServerInfo.__dataclass_fields__})
+    fields = {name: getattr(m, name) for name in ServerInfo.__dataclass_fields__}
+    fields["adapters"] = tuple(
+        AdapterInfo(**{name: getattr(a, name) for name in AdapterInfo.__dataclass_fields__})
+        for a in m.adapters
+    )
+    return ServerInfo(**fields)
 
 
 def update_request(version: int, checkpoint_dir: str, run_id: str = "") -> pb.UpdateWeightsRequest:

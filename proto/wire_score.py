@@ -20,7 +20,8 @@ def _int32_ids(data: bytes, what: str) -> np.ndarray:  # -> int32 [n]
     return unpack(data, _I32, (len(data) // 4,), what)
 
 
-def score_request(job: ScoreJob) -> pb.ScoreRequest:
+def score_request(job: ScoreJob, namespace: str = "") -> pb.ScoreRequest:
+    """namespace: score under that namespace's current LoRA adapter ("": the replica's own namespace)."""
     o = job.options
     return pb.ScoreRequest(
         prompt_token_ids=pack(np.asarray(job.prompt_ids), _I32),
@@ -30,6 +31,7 @@ def score_request(job: ScoreJob) -> pb.ScoreRequest:
         top_p=o.top_p,
         top_k=o.top_k,
         request_id=job.request_id,
+        namespace=namespace,
     )
 
 

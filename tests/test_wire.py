@@ -236,6 +236,32 @@ def test_run_ids_travel_on_jobs_records_updates_and_info() -> None:
     assert wire.decode_record(old.SerializeToString()).run_id == ""
 
 
+def test_the_lora_adapter_travels_on_records_and_info() -> None:
+    """Field 35 (the adapter that sampled the record) through both codecs; GetInfo's LoRA fields."""
+    from maskroll.proto.records import AdapterInfo
+
+    rec = _record()
+    rec.adapter = "team-b/run-7/v12"
+    back = wire.decode_record(wire.encode_record(rec))
+    _assert_same(rec, back)
+    assert back.adapter == "team-b/run-7/v12"
+    assert pb.RolloutRecord.FromString(wire.encode_record(rec)) == wire.record_to_pb(rec)
+    assert wire.decode_record(wire.encode_record(_record())).adapter == ""  # full weights: no adapter
+    adapters = (
+        AdapterInfo("default", "run-a", 3, "default/run-a/v3", 8),
+        AdapterInfo("b", "r", 0, "b/r/v0", 64),
+    )
+    info = ServerInfo(
+        model="m", engine="torch", engine_version="1", maskroll_version="0", policy_version=0,
+        max_logprobs_k=20, max_model_len=64, vocab_size=259, max_tokens=63, max_n=8,
+        logprobs_mode="processed", replica_id="r", max_message_bytes=1 << 24, base_fingerprint="wfp1:ab",
+        max_lora_rank=64, max_loras=4, adapters=adapters,
+    )  # fmt: skip
+    m = pb.ServerInfo.FromString(wire.info_to_pb(info).SerializeToString())
+    assert [(a.namespace, a.version, a.rank) for a in m.adapters] == [("default", 3, 8), ("b", 0, 64)]
+    assert wire.info_from_pb(m) == info
+
+
 def test_a_record_with_negative_k_and_no_tokens_is_refused_by_the_decoder() -> None:
     # issue 11: logprobs_k = -1 with num_tokens = 0 passed the byte-count checks and raised ValueError
     msg = wire.record_to_pb(_record(t=0))

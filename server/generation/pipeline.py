@@ -47,7 +47,7 @@ import numpy as np
 from maskroll.proto.records import RolloutChunk, RolloutRecord, SamplingOptions
 
 from ..config import ServerConfig
-from ..engines.contract import Engine, EngineOutput, SamplingParams
+from ..engines.contract import AdapterRef, Engine, EngineOutput, SamplingParams
 from . import validation
 from .fanout import FanOut
 from .records_builder import RecordHeader, SampleBuilder, semantics_for
@@ -142,14 +142,24 @@ class Generation:
     """One validated request, run once: `stream()` or `records()`; `abort()` may come at any time."""
 
     def __init__(
-        self, engine: Engine, header: RecordHeader, params: SamplingParams, engine_id: str, rule: Coalescing
+        self,
+        engine: Engine,
+        header: RecordHeader,
+        params: SamplingParams,
+        engine_id: str,
+        rule: Coalescing,
+        adapter: AdapterRef | None = None,
     ) -> None:
         self.header = header  # identity, prompt and semantics: what every record of this request carries
         self.params = params  # the engine's parameters for sample 0 (sample i is seeded seed + i)
+        self.adapter = adapter  # the LoRA adapter every sample runs with (None: the engine's weights)
         self._engine = engine
         self._rule = rule
+        requests = validation.engine_requests(engine_id, header.prompt_ids, params, self.n)
+        if adapter is not None:
+            requests = [replace(r, adapter=adapter) for r in requests]
         # Built now (no engine call yet) so that an abort() before the stream starts is not lost.
-        self._fan = FanOut(engine, validation.engine_requests(engine_id, header.prompt_ids, params, self.n))
+        self._fan = FanOut(engine, requests)
         self._started = False
 
     @property
@@ -223,7 +233,7 @@ class Generation:
         records.update(self._fan.leftover())
         for b in builders:  # the engine ended the stream without a finish reason, or abort()
             if not b.finished:
-                records[b.sample_index] = b.record("abort", self._engine.policy_version, time.time())
+                records[b.sample_index] = b.record("abort", self._current_version(), time.time())
         return [records[i] for i in range(self.n)]
 
     def _start(self) -> None:
@@ -232,7 +242,11 @@ class Generation:
         self._started = True
 
     def _abort(self, builder: SampleBuilder) -> RolloutChunk:
-        return builder.abort(current_version=self._engine.policy_version, now=time.time())
+        return builder.abort(current_version=self._current_version(), now=time.time())
+
+    def _current_version(self) -> int:
+        """The version a sample without tokens would have had: its adapter's, else the engine's."""
+        return self._engine.policy_version if self.adapter is None else self.adapter.version
 
 
 class Pipeline:
@@ -265,6 +279,7 @@ class Pipeline:
         metadata: Mapping[str, str] | None = None,
         engine_id: str = "",
         run_id: str = "",
+        adapter: AdapterRef | None = None,
     ) -> Generation:
         """Validate a request and return it ready to run; raises InvalidArgument naming the field.
 
@@ -272,10 +287,12 @@ class Pipeline:
         one. job_id gives the rollout ids (a retried job yields the same ones); group_id "" is no group.
         engine_id: sample i runs as engine request f"{engine_id}-{i}", by default the request id; a
         caller that may run the same request twice at once must pass a unique one. run_id: the training
-        run every record carries (a pull-mode job's; trainers refuse records of another run)."""
+        run every record carries (a pull-mode job's; trainers refuse records of another run). adapter:
+        the LoRA adapter every sample runs with (the caller holds it in use: `AdapterTable.use`); the
+        records carry its name, and its run id in place of `run_id`."""
         self._check_identity(request_id, job_id, group_id, metadata, run_id)
         checked = self.check(prompt_ids, options)
-        return self._generation(checked, request_id, job_id, group_id, metadata, engine_id, run_id)
+        return self._generation(checked, request_id, job_id, group_id, metadata, engine_id, run_id, adapter)
 
     def prepare_checked(
         self,
@@ -287,11 +304,12 @@ class Pipeline:
         metadata: Mapping[str, str] | None = None,
         engine_id: str = "",
         run_id: str = "",
+        adapter: AdapterRef | None = None,
     ) -> Generation:
         """`prepare` for a prompt and options that `check` validated already (they are not validated
         again; the ids and metadata are)."""
         self._check_identity(request_id, job_id, group_id, metadata, run_id)
-        return self._generation(checked, request_id, job_id, group_id, metadata, engine_id, run_id)
+        return self._generation(checked, request_id, job_id, group_id, metadata, engine_id, run_id, adapter)
 
     @staticmethod
     def _check_identity(
@@ -310,6 +328,7 @@ class Pipeline:
         metadata: Mapping[str, str] | None,
         engine_id: str,
         run_id: str,
+        adapter: AdapterRef | None = None,
     ) -> Generation:
         request_id = request_id or validation.new_request_id()
         e = self.engine
@@ -324,6 +343,8 @@ class Pipeline:
             ),
             replica_id=self.replica_id,
             group_size=checked.n,
-            run_id=run_id,
+            # an adapter is a version of its own run (a replica serving several runs holds several)
+            run_id=run_id if adapter is None else adapter.run_id,
+            adapter="" if adapter is None else adapter.name,
         )
-        return Generation(e, header, checked.params, engine_id or request_id, self.coalescing)
+        return Generation(e, header, checked.params, engine_id or request_id, self.coalescing, adapter)

@@ -113,6 +113,7 @@ class RecordHeader:
     replica_id: str
     group_size: int = 1  # samples of this request / job (n)
     run_id: str = ""  # the training run the records belong to (the job's; docs/records.md)
+    adapter: str = ""  # the LoRA adapter the samples run with ("<namespace>/<run_id>/v<version>"); "": none
 
     @property
     def logprobs_k(self) -> int:
@@ -157,6 +158,7 @@ def build_record(
         created_at=created_at,
         group_size=header.group_size,
         run_id=header.run_id,
+        adapter=header.adapter,
     )
 
 

@@ -10,12 +10,14 @@ a Generate's samples). Knows nothing of gRPC or HTTP.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from maskroll.proto.records import Semantics
 from maskroll.proto.scoring import ScoredTokens, ScoreJob, ScoreResult
 
-from ..engines.contract import Engine, SamplingParams, ScoreRequest
+from ..engines.contract import AdapterRef, Engine, SamplingParams, ScoreRequest
 from ..grpc_api.errors import InvalidArgument, Unimplemented
 from . import validation
 
@@ -47,9 +49,14 @@ def engine_request(job: ScoreJob, caps: validation.Caps) -> ScoreRequest:
     )
 
 
-async def score(engine: Engine, job: ScoreJob, caps: validation.Caps) -> ScoreResult:
-    """Validate, score every completion in one engine call, and say which μ the numbers describe."""
+async def score(
+    engine: Engine, job: ScoreJob, caps: validation.Caps, adapter: AdapterRef | None = None
+) -> ScoreResult:
+    """Validate, score every completion in one engine call, and say which μ the numbers describe.
+    adapter: score under base + this LoRA adapter (the caller holds it in use: `AdapterTable.use`)."""
     request = engine_request(job, caps)
+    if adapter is not None:
+        request = replace(request, adapter=adapter)
     try:
         out = await engine.score(request)
     except NotImplementedError as e:

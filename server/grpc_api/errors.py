@@ -59,6 +59,12 @@ class Unavailable(ServiceError):
     code = "UNAVAILABLE"
 
 
+class ResourceExhausted(ServiceError):
+    """A replica's own limit is full (resident LoRA adapters: --max-loras), not the request's fault."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
 # A status's message travels in a trailer, and gRPC refuses metadata over 16 KiB (the client then sees
 # RESOURCE_EXHAUSTED instead of the real error): a message quoting a long client string is cut to this.
 MAX_MESSAGE_CHARS = 2000

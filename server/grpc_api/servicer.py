@@ -30,6 +30,8 @@ from ..running import Running
 from ..weights import checkpoints as weights
 from ..weights import receive as weight_stream
 from ..weights import sources as weight_sources
+from ..weights import tensor_rules
+from ..weights.adapters import AdapterTable
 from .errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -75,14 +77,32 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         # The training run of the weights served ("" = the starting weights, or a client without runs):
         # the version rule is per run (docs/records.md, "Runs"), and Generate's records carry it.
         self._run_id = ""
-        # The fingerprint of the starting weights (server/weights/fingerprint.py; app.py sets it) while
-        # they are served; "" once any update loaded other weights, or when unknown.
-        self.base_fingerprint = ""
+        # The replica's LoRA adapters (docs/lora.md), one per namespace served: what Generate / Score and
+        # the pull-mode jobs sample with, and what heartbeats and joins report (`adapters.served(ns)`).
+        # It holds the starting weights' fingerprint (`base_fingerprint` below).
+        self.adapters = AdapterTable(
+            engine,
+            base_fingerprint="",
+            max_loras=config.max_loras,
+            versions_per_run=config.lora_versions,
+            namespaces=(config.namespace, *config.lora_namespaces),
+            base_layouts=lambda: tensor_rules.directory_layouts(config.model),
+        )
         self.tokenizer_fingerprint = ""  # set by app.py at start-up (GetInfo; the teacher stage compares it)
         # Why this replica may not serve Generate yet (starting, joining its training run, an invalid
         # run record), or None; server/app.py sets it. Weight updates are taken meanwhile.
         self.not_ready: str | None = None
         metrics.policy_version.set(engine.policy_version)
+
+    @property
+    def base_fingerprint(self) -> str:
+        """The fingerprint of the starting weights (server/weights/fingerprint.py; app.py sets it) while
+        they are served; "" once any update loaded other weights, or when unknown. Adapters apply to it."""
+        return self.adapters.base_fingerprint
+
+    @base_fingerprint.setter
+    def base_fingerprint(self, value: str) -> None:
+        self.adapters.base_fingerprint = value
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self._metrics.rpc_done(method, code, seconds)
@@ -106,6 +126,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     @rpc_boundary("Generate")
     async def Generate(self, request: pb.GenerateRequest, context):
         self._check_serving()
+        # The namespace's current adapter samples every token (None: the engine's weights); held
+        # resident until the request ends, however it ends.
+        with self.adapters.use(request.namespace) as adapter:
+            async with contextlib.aclosing(self._generate(request, adapter)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _generate(self, request: pb.GenerateRequest, adapter):
         gen = self._pipeline.prepare(
             wire.prompt_from_pb(request),
             wire.options_from_pb(request.options),
@@ -114,6 +142,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             group_id=request.group_id,
             metadata=request.metadata,
             run_id=self._run_id,
+            adapter=adapter,
         )
         stream = None
         if request.rollout_stream:
@@ -147,7 +176,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         """Given completions scored without sampling (generation/scoring.py); refused like a Generate
         while draining, not ready or with a dead engine."""
         self._check_serving()
-        result = await scoring.score(self._engine, wire.score_from_pb(request), self._caps)
+        job = wire.score_from_pb(request)
+        with self.adapters.use(request.namespace) as adapter:
+            result = await scoring.score(self._engine, job, self._caps, adapter)
         return wire.score_result_to_pb(result)
 
     # ---- UpdateWeights --------------------------------------------------------------------------
@@ -159,6 +190,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             validation.check_run_id(update.run_id)
             if self._running.draining:
                 raise Unavailable("the server is draining")
+            if update.adopt_fingerprint is None:
+                self._check_full_weights()
             if update.collective:
                 source = weight_sources.CollectiveSource(wire.collective_from_pb(request))
                 if source.spec.init:  # the rendezvous: join the trainer's group, no version change
@@ -215,11 +248,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             manifest = wire.manifest_from_pb(first)
         except ValueError as e:
             raise InvalidArgument(str(e)) from e
+        if manifest.adapter is not None:
+            return wire.update_result_to_pb(await self._push_adapter(manifest, request_iterator, context))
         update = WeightsUpdate(version=manifest.version, checkpoint_dir="(push)", run_id=manifest.run_id)
         try:
             validation.check_run_id(update.run_id)
             if self._running.draining:
                 raise Unavailable("the server is draining")
+            self._check_full_weights()
             self._check_version(update)
             # When the client goes away (a deadline, a dropped connection) the request iterator may
             # wait on: end the receiving task then, so the partial file goes at once.
@@ -235,6 +271,53 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             raise
         return wire.update_result_to_pb(await self._run_update(update, source))
 
+    async def _push_adapter(self, manifest, request_iterator, context) -> WeightsUpdateResult:
+        """A LoRA adapter's push: its rules checked on the manifest before any byte arrives
+        (`AdapterTable.check_manifest`), received into memory whatever the engine (adapters are small),
+        then loaded by the table, which asks the rules again. Like a full update, once received it loads
+        to its end even if the caller goes away."""
+        update = WeightsUpdate(
+            version=manifest.version, checkpoint_dir="(adapter push)", run_id=manifest.run_id
+        )
+        try:
+            validation.check_run_id(update.run_id)
+            if self._running.draining:
+                raise Unavailable("the server is draining")
+            self.adapters.check_manifest(manifest)
+            receiving = asyncio.current_task()
+            context.add_done_callback(lambda _: receiving is not None and receiving.cancel())
+            try:
+                tensors = await weight_stream.receive_tensors(manifest, request_iterator)
+            finally:
+                receiving = None
+        except ServiceError as exc:
+            _log_refused(update, exc)
+            await weight_stream.drain(request_iterator, manifest.total_bytes)
+            raise
+        task = asyncio.ensure_future(self._load_adapter(update, manifest, tensors))
+        self._updates.add(task)
+        task.add_done_callback(self._update_done)
+        return await asyncio.shield(task)
+
+    async def _load_adapter(self, update: WeightsUpdate, manifest, tensors: dict) -> WeightsUpdateResult:
+        try:
+            paused, seconds = await self.adapters.load(manifest, tensors)
+        except ServiceError as exc:
+            _log_refused(update, exc)
+            raise
+        self._metrics.weight_update.observe(seconds)
+        return WeightsUpdateResult(version=manifest.version, load_seconds=seconds, paused_requests=paused)
+
+    def _check_full_weights(self) -> None:
+        """Full weights replace the base every namespace's adapters apply to: refused on a replica
+        serving several LoRA runs (`--lora-namespaces`), whose runs each push only their adapter."""
+        if self._config.lora_namespaces:
+            served = [self._config.namespace, *self._config.lora_namespaces]
+            raise FailedPrecondition(
+                f"this replica serves several LoRA runs on its base (namespaces {served}): it takes their "
+                "adapters only, not full weights; push an adapter, or use a replica without --lora-namespaces"
+            )
+
     @property
     def weights_served(self) -> tuple[str, int]:
         """(run id, policy version) of the weights this replica serves ("" = its starting weights)."""
@@ -245,6 +328,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     ) -> WeightsUpdateResult:
         """An update decided inside the replica (joining the run at start-up, server/app.py): the
         rules of the RPCs, without one."""
+        self._check_full_weights()
         self._check_version(update)
         return await self._run_update(update, source)
 
@@ -288,6 +372,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 paused, seconds = await weight_sources.load(self._engine, version, source)
                 self._run_id = update.run_id
                 self.base_fingerprint = ""  # other weights now, even if the load was of the same bytes
+                # No adapter trained on the base fits the new weights: every namespace back to them.
+                await self.adapters.drop_all()
         except ServiceError as exc:
             _log_refused(update, exc, source)
             raise
@@ -339,6 +425,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             generated_tokens=int(load.tokens),
             published_records=int(load.published),
             tokenizer_fingerprint=self.tokenizer_fingerprint,
+            base_fingerprint=self.base_fingerprint,
+            max_lora_rank=e.max_lora_rank,
+            max_loras=self._config.max_loras if e.max_lora_rank > 0 else 0,
+            adapters=self.adapters.info(),
             **vars(e.settings),  # EngineSettings and ServerInfo name the engine's settings alike
         )
 

@@ -46,6 +46,7 @@ from ..grpc_api.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from ..metrics import Metrics
 from ..pull.publisher import PublishTimeout, RolloutPublisher
 from ..running import Running
+from ..weights.adapters import AdapterTable
 from . import openai_compat as oa
 from .chat import ChatFormat, parse_tool_calls
 from .errors import NotFound, RetryLater
@@ -175,11 +176,16 @@ class Call:
     lease: Lease | None = None  # the session's fleet-wide lease (with Redis)
     source: str = ""  # where the session came from: "local" (this replica's copy), "moved", "new"
     reprefill: int = 0  # moved: the stored tokens the engine prefills again
+    # Holds the namespace's LoRA adapter resident while the call's choices sample with it (AdapterTable.use)
+    adapter_hold: contextlib.ExitStack | None = None
 
     def close(self) -> None:
         """Free the session for its next call (idempotent). Called when the run ends and by the HTTP
         layer whatever happens to the response; __del__ too, so a response dropped before its stream
         ever started cannot leave the session busy for good."""
+        hold, self.adapter_hold = self.adapter_hold, None
+        if hold is not None:
+            hold.close()
         lease, self.lease = self.lease, None
         if lease is not None:
             lease.close()
@@ -241,12 +247,15 @@ class OpenAIServing:
         publisher: RolloutPublisher | None,
         run_id: Callable[[], str] = str,
         not_ready: Callable[[], str | None] = lambda: None,
+        adapters: AdapterTable | None = None,
     ) -> None:
         """run_id(): the training run of the weights served now (the gRPC servicer's, set by
         UpdateWeights), which every record carries. not_ready(): why the replica may not serve yet
-        (joining its run), or None."""
+        (joining its run), or None. adapters: the replica's LoRA adapters (the gRPC servicer's table):
+        a call samples with its own namespace's current adapter, whose run its records carry."""
         self.engine, self.chat, self.metrics, self.publisher = engine, chat, metrics, publisher
         self.run_id = run_id
+        self.adapters = adapters
         self.not_ready = not_ready
         self.config = config
         self.pipeline = Pipeline(engine, config)
@@ -357,9 +366,16 @@ class OpenAIServing:
                 k = self.caps.max_logprobs
             stops = req.stop_strings()
             run_id = self.run_id()
+            adapter = None
+            if self.adapters is not None:  # the replica's own namespace (an OpenAI call names none)
+                call.adapter_hold = contextlib.ExitStack()
+                adapter = call.adapter_hold.enter_context(self.adapters.use())
             for i in range(checked.n):  # each choice a request of its own, seeded seed + i
                 gen = self.pipeline.prepare_checked(
-                    checked.sample(i, logprobs_k=k), request_id=f"{call.id}-{i}", run_id=run_id
+                    checked.sample(i, logprobs_k=k),
+                    request_id=f"{call.id}-{i}",
+                    run_id=run_id,
+                    adapter=adapter,
                 )
                 call.runs.append(ChoiceRun(i, gen, self.chat, stops))
             call.prompt_ids = call.runs[0].gen.header.prompt_ids

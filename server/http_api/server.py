@@ -70,6 +70,7 @@ class HttpFrontEnd:
             publisher,
             lambda: servicer.info().run_id,
             not_ready=lambda: servicer.not_ready,
+            adapters=servicer.adapters,
         )
         # Why the replica is not ready (/readyz): server/app.py sets the replica's own rule, which the
         # gRPC health services follow too; by default the servicer's and the engine's reasons.

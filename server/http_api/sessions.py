@@ -233,6 +233,7 @@ class Session:
             group_size=group_size,
             schema_version=MULTI_TURN_SCHEMA_VERSION,
             run_id=last.run_id,
+            adapter=last.adapter,  # the last turn's (every token's version is in the version arrays)
             loss_mask=np.frombuffer(bytes(self.mask), np.uint8).astype(bool),
             segment_starts=list(self.segment_starts),
             num_turns=len(self.turns),

@@ -12,6 +12,8 @@ them, and tests assert both), but what counts as wrong is decided only here:
   values to its own precision; an integer tensor in a float's place is another thing, not a precision);
 - finite values: no NaN or inf in a floating tensor *as it will be served*, after the cast to the served
   dtype (a float32 value beyond bfloat16's range becomes inf there). One NaN weight makes every logit NaN.
+- LoRA adapters (`check_adapter`): pairs A [r, in] / B [out, r] on the base's Linear weights, of the
+  adapter's rank (at most the engine's max_lora_rank), floating and finite.
 
 Pure rules on `Layout`s, plus the readers that build them from torch tensors and from safetensors files.
 torch and safetensors are imported only to read values. Knows nothing of gRPC or of any engine.
@@ -140,3 +142,64 @@ def file_layouts(
 def directory_layouts(directory: Path) -> dict[str, Layout]:
     """The layouts of every *.safetensors file in `directory` (a model the engine serves from disk)."""
     return file_layouts([(str(p), str(p)) for p in sorted(Path(directory).glob("*.safetensors"))])
+
+
+def check_adapter(
+    spec: Any, tensors: Mapping[str, Any], base_layouts: Mapping[str, Layout], *, max_rank: int
+) -> None:
+    """Raise ValueError, naming the module, unless `tensors` are a LoRA adapter this base can serve
+    (docs/lora.md, "Names and maths"). spec: its `AdapterSpec`; tensors: {"<module>.lora_A.weight": [r, in],
+    "<module>.lora_B.weight": [out, r]} (torch); base_layouts: the served base's tensors; max_rank: the
+    engine's max_lora_rank.
+
+    Each "<module>" must be a Linear of the base (a 2-D floating "<module>.weight" [out, in]) whose last
+    name part, or the name itself, is in spec.target_modules (PEFT's matching; an engine that builds its
+    LoRA layers from target_modules, as vLLM does, would otherwise skip it); A and B floating, of rank
+    spec.rank and the Linear's in / out; every value finite (one NaN in B·A makes every logit NaN)."""
+    from maskroll.proto.tensor_push import LORA_A, LORA_B
+
+    rank = spec.rank
+    if rank > max_rank:
+        raise ValueError(f"adapter rank {rank} is above this replica's --max-lora-rank {max_rank}")
+    modules: dict[str, dict[str, Any]] = {}
+    for name, t in tensors.items():
+        for suffix in (LORA_A, LORA_B):
+            if name.endswith(suffix):
+                modules.setdefault(name[: -len(suffix)], {})[suffix] = t
+                break
+        else:
+            raise ValueError(
+                f"tensor {name!r} is not a LoRA tensor ('<module>{LORA_A}' or '<module>{LORA_B}')"
+            )
+    if not modules:
+        raise ValueError("the adapter has no tensors")
+    targets = tuple(spec.target_modules)
+    for module, pair in modules.items():
+        if set(pair) != {LORA_A, LORA_B}:
+            raise ValueError(f"LoRA module {module!r} has lora_A without lora_B or the reverse")
+        base = base_layouts.get(module + ".weight")
+        if base is None:
+            raise ValueError(f"LoRA module {module!r}: the base has no weight {module + '.weight'!r}")
+        if len(base.shape) != 2 or not base.floating:
+            raise ValueError(
+                f"LoRA module {module!r}: the base's {module + '.weight'!r} of shape {list(base.shape)} is "
+                "not a Linear's floating [out, in] weight"
+            )
+        if targets and not any(module == t or module.endswith("." + t) for t in targets):
+            raise ValueError(
+                f"LoRA module {module!r} is not one of the adapter's target_modules {list(targets)}"
+            )
+        a, b = pair[LORA_A], pair[LORA_B]
+        out_f, in_f = base.shape
+        if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
+            raise ValueError(
+                f"LoRA module {module!r}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit the "
+                f"base's [out, in] = {[out_f, in_f]} at rank {rank}: expected [{rank}, {in_f}] and "
+                f"[{out_f}, {rank}]"
+            )
+        for suffix, t in ((LORA_A, a), (LORA_B, b)):
+            if not t.is_floating_point():
+                raise ValueError(f"LoRA tensor {module + suffix!r} has dtype {t.dtype}, not floating point")
+            problem = finite_problem(module + suffix, t, "the adapter")
+            if problem is not None:
+                raise ValueError(problem)

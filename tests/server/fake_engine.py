@@ -11,7 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
-from maskroll.server.engines.contract import Engine, EngineLimits, EngineOutput, EngineRequest
+from maskroll.server.engines.contract import (
+    AdapterRef,
+    Engine,
+    EngineLimits,
+    EngineOutput,
+    EngineRequest,
+    LoraWeights,
+)
 
 
 def scripted_token(seed: int, j: int, vocab: int) -> int:
@@ -47,6 +54,7 @@ class FakeEngine(Engine):
         max_model_len: int = 256,
         max_logprobs: int = 20,
         token_delay_s: float = 0.0,
+        max_lora_rank: int = 0,
     ) -> None:
         self._limits = EngineLimits(
             vocab_size=vocab_size, max_model_len=max_model_len, max_logprobs=max_logprobs
@@ -61,6 +69,11 @@ class FakeEngine(Engine):
         self.refuse: str | None = None  # raise ValueError(refuse) before the first token
         self.end_without_finish = False  # end the stream after max_tokens with no finish_reason
         self.update_delay_s = 0.0  # how long update_weights takes
+        # LoRA: resident adapters by id; the table's calls in order ("add <name>", "remove <name>")
+        self._max_lora_rank = max_lora_rank
+        self.adapters: dict[int, tuple[AdapterRef, LoraWeights]] = {}
+        self.adapter_calls: list[str] = []
+        self.refuse_adapter: str | None = None  # raise ValueError(refuse_adapter) from add_adapter
 
     @property
     def limits(self) -> EngineLimits:
@@ -69,6 +82,24 @@ class FakeEngine(Engine):
     @property
     def policy_version(self) -> int:
         return self._version
+
+    @property
+    def max_lora_rank(self) -> int:
+        return self._max_lora_rank
+
+    async def add_adapter(self, ref: AdapterRef, weights: LoraWeights) -> None:
+        if self._max_lora_rank <= 0:
+            raise NotImplementedError("the fake engine was made without max_lora_rank")
+        if self.refuse_adapter is not None:
+            raise ValueError(self.refuse_adapter)
+        if ref.id in self.adapters:
+            raise RuntimeError(f"adapter id {ref.id} is resident already")
+        self.adapters[ref.id] = (ref, weights)
+        self.adapter_calls.append(f"add {ref.name}")
+
+    async def remove_adapter(self, ref: AdapterRef) -> None:
+        del self.adapters[ref.id]  # KeyError: the table removed an adapter it never added
+        self.adapter_calls.append(f"remove {ref.name}")
 
     async def start(self) -> None:
         self.started = True
@@ -79,6 +110,8 @@ class FakeEngine(Engine):
     async def generate(self, request: EngineRequest):
         if self.refuse is not None:
             raise ValueError(self.refuse)
+        if request.adapter is not None and request.adapter.id not in self.adapters:
+            raise RuntimeError(f"adapter {request.adapter.name} (id {request.adapter.id}) is not resident")
         self.requests.append(request)
         self.active.add(request.request_id)
         finished = False
@@ -88,7 +121,9 @@ class FakeEngine(Engine):
                 await asyncio.sleep(self.token_delay_s)
                 if self.fail_at is not None and j == self.fail_at:
                     raise RuntimeError("scripted engine failure")
-                out = scripted_output(request, j, self._version, self._limits.vocab_size)
+                # an adapter request is sampled by its adapter's version from first token to last
+                version = self._version if request.adapter is None else request.adapter.version
+                out = scripted_output(request, j, version, self._limits.vocab_size)
                 if int(out.token_ids[0]) in p.stop_token_ids:
                     out.finish_reason = "stop"
                 elif j == p.max_tokens - 1 and not self.end_without_finish:
