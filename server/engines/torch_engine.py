@@ -20,8 +20,9 @@ with non-finite tensors are refused before any weight changes.
 
 The batch's KV cache bookkeeping (merging a prefilled row in, trimming padding) is `torch_batch`'s; loading
 the model and reading and checking new weights (the weight rules of `weights.tensor_rules`) is
-`torch_weights`'s. The model forward never runs on the event loop. This module knows nothing of gRPC,
-Redis or protobuf.
+`torch_weights`'s; applying LoRA adapters per row is `torch_lora`'s (a request with an adapter is sampled
+with it from its first token to its last, all its outputs at the adapter's version). The model forward
+never runs on the event loop. This module knows nothing of gRPC, Redis or protobuf.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,14 +43,16 @@ import torch
 
 from maskroll.trainer_adapter.processed import Workspace, processed_chunk
 
-from . import torch_score, torch_weights
+from . import torch_lora, torch_score, torch_weights
 from .contract import (
+    AdapterRef,
     Engine,
     EngineDead,
     EngineLimits,
     EngineOutput,
     EngineRequest,
     EngineSettings,
+    LoraWeights,
     SamplingParams,
     ScoreOutput,
     ScoreRequest,
@@ -97,6 +100,9 @@ class _Handle:
     def params(self) -> SamplingParams:
         return self.request.params
 
+    def version(self, engine_version: int) -> int:  # with an adapter: its version, whatever updates come
+        return engine_version if self.request.adapter is None else self.request.adapter.version
+
 
 @dataclass
 class _Token:
@@ -123,6 +129,7 @@ class _Score:
 class _Update:
     version: int
     tensors: dict[str, Tensor]
+    call: Callable[[], None] | None = None  # instead: an adapter added or removed between two steps
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -160,6 +167,8 @@ class TorchEngine(Engine):
         max_model_len: int | None = None,
         seed: int = 0,
         stall_timeout_s: float = STALL_TIMEOUT_S,
+        max_lora_rank: int = 0,
+        max_loras: int = 4,
     ) -> None:
         import transformers
 
@@ -182,6 +191,10 @@ class TorchEngine(Engine):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self._max_batch = max_batch
+        if max_lora_rank < 0 or max_loras < 1:
+            raise ValueError(f"max_lora_rank {max_lora_rank} must be >= 0 and max_loras {max_loras} >= 1")
+        self._max_lora_rank, self._max_loras = int(max_lora_rank), int(max_loras)
+        self._lora: torch_lora.LoraLayers | None = None  # with the model, at start
         self._dtype, self._device, self._threads = dtype, torch.device(device), threads
         # Draws the seed of every request that brings none, as vLLM's engine seed does: the same requests
         # in the same order sample the same tokens after a restart. Used on the event loop thread only.
@@ -233,6 +246,10 @@ class TorchEngine(Engine):
         )
 
     @property
+    def max_lora_rank(self) -> int:
+        return self._max_lora_rank
+
+    @property
     def num_active(self) -> int:
         """Requests the engine holds (waiting for admission or in the batch); 0 once all are freed."""
         with self._cv:
@@ -255,6 +272,9 @@ class TorchEngine(Engine):
         self._stopping = False
         self._model, self._cache_kw = await asyncio.to_thread(
             torch_weights.load_model, self.model_dir, device=self._device, dtype=self._dtype
+        )
+        self._lora = torch_lora.LoraLayers(
+            self._model, max_rank=self._max_lora_rank, max_loras=self._max_loras
         )
         self._thread = threading.Thread(target=self._run, name="maskroll-torch-decode", daemon=True)
         self._thread.start()
@@ -327,6 +347,7 @@ class TorchEngine(Engine):
         self._check_temperature(request.params.temperature)
         if self._thread is None:
             raise RuntimeError("engine not started")
+        self._check_adapter(request.adapter)
         job = _Score(request)
         with self._cv:
             if self._dead is not None:
@@ -356,8 +377,21 @@ class TorchEngine(Engine):
         checked = await asyncio.to_thread(self._checked, tensors, label)
         return await self._submit_update(version, checked)
 
-    async def _submit_update(self, version: int, tensors: dict[str, Tensor]) -> int:
-        update = _Update(int(version), tensors)
+    async def add_adapter(self, ref: AdapterRef, weights: LoraWeights) -> None:
+        """Checked and cast off the decode thread, installed on it between two steps (nothing pauses)."""
+        if self._lora is None:
+            raise RuntimeError("engine not started")
+        pairs = await asyncio.to_thread(self._lora.prepare, ref, weights)
+        await self._submit_update(-1, {}, lambda: self._lora.install(ref, pairs))
+
+    async def remove_adapter(self, ref: AdapterRef) -> None:
+        if self._lora is None:
+            raise RuntimeError("engine not started")
+        self._lora.check(ref)
+        await self._submit_update(-1, {}, lambda: self._remove_adapter(ref))
+
+    async def _submit_update(self, version: int, tensors: dict[str, Tensor], call=None) -> int:
+        update = _Update(int(version), tensors, call)
         with self._cv:
             if self._dead is not None:
                 raise self._dead_error()
@@ -373,6 +407,11 @@ class TorchEngine(Engine):
         already validated; this is the engine's own guard)."""
         check_request(request, self._limits)
         self._check_temperature(request.params.temperature)
+        self._check_adapter(request.adapter)
+
+    def _check_adapter(self, ref: AdapterRef | None) -> None:
+        if ref is not None and self._lora is not None:  # not started: the caller says so next
+            self._lora.check(ref)
 
     @staticmethod
     def _check_temperature(t: float) -> None:
@@ -486,6 +525,15 @@ class TorchEngine(Engine):
             self._finish(handle, exc)
 
     def _apply_update(self, update: _Update) -> None:
+        if update.call is not None:  # an adapter added or removed: its failure is its own
+            if update.future.set_running_or_notify_cancel():  # False: the caller went away first
+                try:
+                    result = update.call()
+                except Exception as exc:
+                    update.future.set_exception(exc)
+                else:
+                    update.future.set_result(result)
+            return
         # Between steps: every token sampled after this line sees the new weights and version. The
         # tensors were checked (names, shapes, dtypes, finite) and cast to the parameters' dtype and
         # device when read, and each is a tensor of its own: it becomes the parameter's data (no copy
@@ -506,6 +554,19 @@ class TorchEngine(Engine):
             in_flight = self._num_active
         update.future.set_result(in_flight)
 
+    def _remove_adapter(self, ref: AdapterRef) -> None:
+        # Rows still naming it are cancelled ones that the next drop would take out (their streams ended
+        # before the adapter table let go of it), or a caller's bug: end them now, so that no forward ever
+        # runs a row without its adapter.
+        stale = {h for h in self._batch.rows if h.request.adapter == ref}
+        for h in stale:
+            self._finish(h, ValueError(f"adapter {ref.name!r} was removed while the request sampled"))
+        try:
+            self._drop(stale)
+        except Exception as exc:  # the batch's cache is in an unknown state: end its requests
+            self._fail_batch(exc)
+        self._lora.remove(ref)
+
     def _score(self, job: _Score) -> None:
         """Score one request (torch_score); its failure is its own, the engine serves on."""
         try:
@@ -514,21 +575,23 @@ class TorchEngine(Engine):
             r, p = job.request, job.request.params
             rows = []
             for c in r.completions:
-                rows.append(
-                    torch_score.score_completion(
-                        self._model,
-                        r.prompt_ids,
-                        c,
-                        temperature=p.temperature,
-                        top_k=p.top_k,
-                        top_p=p.top_p,
-                        k=p.logprobs_k,
-                        work=self._score_work,
+                with self._lora.rows([r.adapter]):
+                    rows.append(
+                        torch_score.score_completion(
+                            self._model,
+                            r.prompt_ids,
+                            c,
+                            temperature=p.temperature,
+                            top_k=p.top_k,
+                            top_p=p.top_p,
+                            k=p.logprobs_k,
+                            work=self._score_work,
+                        )
                     )
-                )
                 self.forward_calls += 1
                 self._beat = time.monotonic()
-            out = ScoreOutput(*(list(a) for a in zip(*rows, strict=True)), policy_version=self._version)
+            version = self._version if r.adapter is None else r.adapter.version
+            out = ScoreOutput(*(list(a) for a in zip(*rows, strict=True)), policy_version=version)
             with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled meanwhile
                 job.future.set_result(out)
         except Exception as exc:
@@ -539,9 +602,10 @@ class TorchEngine(Engine):
             with self._cv:
                 self._live_scores.discard(job)
 
-    def _forward(self, **kwargs) -> Tensor:  # [B, V] float32 logits of each row's last position
+    def _forward(self, *, rows: list[_Handle], **kwargs) -> Tensor:  # [B, V] float32 logits, last positions
         cache = kwargs.pop("cache")
-        out = self._model(**kwargs, **{self._cache_kw: cache}, use_cache=True)
+        with self._lora.rows([h.request.adapter for h in rows]):  # each row with its own adapter
+            out = self._model(**kwargs, **{self._cache_kw: cache}, use_cache=True)
         self.forward_calls += 1
         self._beat = time.monotonic()
         return out.logits[:, -1, :].float()
@@ -561,7 +625,7 @@ class TorchEngine(Engine):
         prompt = np.asarray(handle.request.prompt_ids, np.int64)
         ids = torch.as_tensor(prompt, device=self._device)[None]  # [1, P]
         cache = DynamicCache()
-        logits = self._forward(input_ids=ids, cache=cache)  # [1, V]
+        logits = self._forward(rows=[handle], input_ids=ids, cache=cache)  # [1, V]
         handle.cached = ids.shape[1]
         if self._emit([handle], logits):
             return
@@ -575,7 +639,7 @@ class TorchEngine(Engine):
         positions = torch.tensor([[h.cached] for h in rows], device=self._device)
         mask = self._batch.step_mask()  # [B, S + 1]
         logits = self._forward(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=self._batch.cache
+            rows=rows, input_ids=ids, attention_mask=mask, position_ids=positions, cache=self._batch.cache
         )
         self._batch.mask = mask
         self.decode_steps += 1
@@ -674,7 +738,7 @@ class TorchEngine(Engine):
                 ranks_l[j],
                 top_ids[j, :k].copy(),
                 top_lp[j, :k].copy(),
-                self._version,
+                h.version(self._version),
                 finish,
             )
             if finish is not None:
