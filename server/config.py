@@ -76,6 +76,11 @@ OWN_FLAG_ARGS = {
     "quantization": "--quantization",
     "enforce_eager": "--enforce-eager",
     "max_num_seqs": "--max-batch",
+    # LoRA: the adapter table sizes vLLM's slots (on CPU one more than it fills: vllm_engine.py says why)
+    "enable_lora": "--max-lora-rank",
+    "max_lora_rank": "--max-lora-rank",
+    "max_loras": "--max-loras",
+    "max_cpu_loras": "--max-loras",
 }
 # The KV cache a CPU replica gets when neither kv_cache_gb nor gpu_memory_utilization is given: vLLM's
 # own CPU default is a fraction of all RAM, which several replicas on one machine would overcommit.
@@ -318,8 +323,8 @@ class ServerConfig(BaseSettings):
     """host:port trainers use to reach this replica's gRPC (weight updates); default host:port."""
     max_lora_rank: int = Field(0, ge=0, le=512)
     """LoRA (docs/lora.md): the largest adapter rank this replica applies to its --model; 0 = LoRA off
-    (pushed adapters are refused). vLLM: enable_lora with this max_lora_rank (one of 8, 16, 32, 64, 128,
-    256, 320, 512 there; a smaller adapter is padded)."""
+    (pushed adapters are refused). vLLM: enable_lora with this max_lora_rank rounded up to a size vLLM
+    allows (1, 8, 16, 32, 64, 128, 256, 320, 512); adapters above the rank given here are refused."""
     max_loras: int = Field(4, ge=1, le=256)
     """LoRA: adapters resident at once over every namespace served (vLLM's max_loras and max_cpu_loras:
     GPU memory for this many adapters of max_lora_rank). A push that would exceed it evicts the least
@@ -420,6 +425,13 @@ class ServerConfig(BaseSettings):
             raise ValueError(
                 f"lora_namespaces={list(self.lora_namespaces)} serves several LoRA runs: it needs "
                 f"max_lora_rank > 0 (got {self.max_lora_rank}) and redis_url (their runs live in Redis)"
+            )
+        served = 1 + len(self.lora_namespaces)
+        if self.max_lora_rank and self.max_loras < served + 1:
+            raise ValueError(
+                f"max_loras={self.max_loras} cannot hold the current adapter of each of the {served} "
+                f"namespaces served and the next version beside them; give at least {served + 1} "
+                f"(lora_versions x namespaces = {self.lora_versions * served} keeps older versions too)"
             )
         if self.namespace in self.lora_namespaces:
             raise ValueError(f"namespace {self.namespace!r} is also in lora_namespaces; name it once")

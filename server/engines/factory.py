@@ -17,7 +17,12 @@ def make_engine(config: ServerConfig) -> Engine:
         from .vllm_engine import VllmEngine
 
         return VllmEngine(
-            config.model, max_logprobs=config.max_logprobs, max_batch=config.max_batch, config=ec
+            config.model,
+            max_logprobs=config.max_logprobs,
+            max_batch=config.max_batch,
+            config=ec,
+            max_lora_rank=config.max_lora_rank,
+            max_loras=config.max_loras,
         )
     import torch
 
@@ -35,6 +40,8 @@ def make_engine(config: ServerConfig) -> Engine:
             dtype=dtype,
             max_model_len=ec.max_model_len,
             seed=ec.seed,
+            max_lora_rank=config.max_lora_rank,
+            max_loras=config.max_loras,
         )
     except ValueError as e:  # a setting the model cannot take (a context longer than its own)
         raise ConfigError(f"invalid configuration:\n  {e}") from e

@@ -48,13 +48,36 @@ def default_cache_env(root: Path | None = None) -> dict[str, str]:
 
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 _VLLM_ARG = "[--vllm-arg / MASKROLL_VLLM_ARGS]"
+# Shim: the max_lora_rank values vLLM accepts (config/lora.py MaxLoRARanks); its LoRA kernels and the
+# per-slot buffers are sized for one of these. tests/lora/test_vllm_lora.py checks it against vLLM's.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that is >= `rank` (a smaller adapter is zero-padded into
+    the slot, so any rank up to it is served)."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"max_lora_rank {rank} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}")
 
 
 def base_engine_args(
-    model_dir: Path, config: EngineConfig, *, max_logprobs: int, max_batch: int, cuda: bool, gpu_count: int
+    model_dir: Path,
+    config: EngineConfig,
+    *,
+    max_logprobs: int,
+    max_batch: int,
+    cuda: bool,
+    gpu_count: int,
+    max_lora_rank: int = 0,
+    max_loras: int = 1,
+    lora_modules: list[str] | None = None,
 ) -> dict[str, Any]:
     """AsyncEngineArgs keywords from the typed settings, defaults resolved for the platform (`cuda`:
-    a CUDA-like device, `gpu_count` of them visible). Pure: no vllm import."""
+    a CUDA-like device, `gpu_count` of them visible); LoRA on when `max_lora_rank` > 0, with
+    `max_loras` adapters resident and, off CUDA, LoRA layers on `lora_modules` only (the base's Linear
+    suffixes without embedding and head: `vllm_lora.lora_linear_suffixes`). Pure: no vllm import."""
     dtype = config.dtype if config.dtype != "auto" else "bfloat16" if cuda else "float32"
     tp = config.tensor_parallel_size
     if tp == "auto":
@@ -85,6 +108,34 @@ def base_engine_args(
         args["gpu_memory_utilization"] = config.gpu_memory_utilization
     if config.enable_prefix_caching is not None:  # unset: vLLM's default for the model
         args["enable_prefix_caching"] = config.enable_prefix_caching
+    if max_lora_rank > 0:
+        # max_loras is both the batch's adapter slots and vLLM's CPU-side cache: the adapter table keeps
+        # at most max_loras resident, so vLLM's own LRU (worker_manager.py, capacity max_cpu_loras) never
+        # evicts one behind its back.
+        # Shim: off CUDA, vLLM's LoRA ops are plain torch (lora/ops/torch_ops/lora_ops.py bgmv_shrink /
+        # bgmv_expand) and gather `weights[lora_indices]` with index -1 for a row without an adapter,
+        # which is the LAST slot: a base row batched with adapter rows gets the last slot's adapter
+        # added (prefill skips only a batch with no adapter at all, punica_cpu.py `no_lora`). One spare
+        # slot that never holds an adapter (slots are taken first-free, model_manager.py
+        # activate_adapter; the engine keeps at most max_loras resident) stays zero, so -1 adds nothing.
+        # The CUDA kernels skip -1 (lora/ops/triton_ops/lora_shrink_op.py, lora_expand_op.py).
+        slots = max_loras if cuda else max_loras + 1
+        args.update(
+            enable_lora=True,
+            max_lora_rank=vllm_lora_rank(max_lora_rank),
+            max_loras=slots,
+            max_cpu_loras=slots,
+        )
+        if not cuda:
+            # Shim: off CUDA, the output head's LoRA layer (lora/layers/logits_processor.py, through
+            # punica_cpu.py add_lora_logits) gathers one adapter per *request* for a prompt-logprobs pass
+            # that has one row per *prompt token*: a Score batched with any other request fails in
+            # torch.einsum and kills the engine core. Naming the Linear modules (vLLM's
+            # lora_target_modules) leaves the head and the embedding without LoRA layers, so an adapter
+            # of those is refused when added, and scoring works.
+            if not lora_modules:
+                raise ValueError("a CPU vLLM engine with LoRA needs the base's Linear modules")
+            args["lora_target_modules"] = list(lora_modules)
     return args
 
 

