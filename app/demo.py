@@ -124,6 +124,13 @@ class DemoConfig:
                 "--model smollm2 runs the GRPO recipe with the arithmetic task scored in the trainer; "
                 f"{given} is not supported with it yet"
             )
+        rank = self.grpo.lora.lora_rank
+        if rank and (self.trainer != "maskroll" or self.weight_transport != "stream"):
+            raise ValueError(
+                f"--lora-rank {rank} trains adapters with the GRPO recipe and pushes them over the stream "
+                f"transport: it needs --trainer maskroll and --weight-transport stream (got --trainer "
+                f"{self.trainer}, --weight-transport {self.weight_transport})"
+            )
         if not self.spawn and not (
             self.redis_url and self.model and (self.weights_dir or self.weight_transport == "stream")
         ):
@@ -167,6 +174,8 @@ FLAGS = (
     "grpo.n",
     "grpo.max_tokens",
     "grpo.lr",
+    "grpo.lora.lora_rank",
+    "grpo.lora.lora_alpha",
 )
 CLUSTER_FLAGS = ("spawn", "redis_url", "namespace", "weights_dir", "weight_transport", "model")
 
@@ -202,6 +211,8 @@ class Cluster:
             args += ["--replica-id", f"demo-replica-{i}"]
             args += ["--weights-root", self.weights] if directory else []
             args += ["--max-logprobs", str(self.cfg.grpo.logprobs_k), "--drain-timeout-s", "5"]
+            if self.cfg.grpo.lora.enabled:  # the replicas apply the trainer's adapters up to this rank
+                args += ["--max-lora-rank", str(self.cfg.grpo.lora.lora_rank)]
             # vLLM on CPU: compiling the model would cost more start-up than a short run saves
             args += ["--enforce-eager"]
             replica = LocalReplica(
@@ -370,6 +381,11 @@ def run(cfg: DemoConfig) -> dict:
         "trainer_ranks": cfg.trainer_ranks,
         "seconds": time.monotonic() - t_start,
     }
+    # the weights each update moves: the adapter with --lora-rank, else the whole model (the recipe's
+    # figures; the TRL trainer reports none)
+    summary.setdefault("lora_rank", cfg.grpo.lora.lora_rank)
+    summary.setdefault("model_bytes", None)
+    summary.setdefault("weight_bytes_per_update", None)
     if cfg.trainer == "maskroll":
         summary["final"] = str(out / "final")
     if cfg.distill is not None:  # first / last training step: the KL to the teacher and the batch reward
@@ -409,6 +425,13 @@ def summary_table(summary: dict) -> str:
         f"held-out reward: {summary['reward_before']:.3f} before -> {summary['reward_after']:.3f} after; "
         f"{summary['seconds']:.0f} s in all",
     ]
+    sent, full = summary.get("weight_bytes_per_update"), summary.get("model_bytes")
+    if sent and full:
+        what = f"LoRA rank {summary['lora_rank']} adapter" if summary.get("lora_rank") else "full weights"
+        lines.append(
+            f"weights per update and replica: {sent / 1e6:.3f} MB ({what}; the full model is "
+            f"{full / 1e6:.1f} MB: {sent / full:.2%})"
+        )
     return "\n".join(lines)
 
 

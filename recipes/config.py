@@ -2,7 +2,8 @@
 
 Kept apart from grpo.py so that a command line can be parsed and checked (`maskroll demo`) before torch,
 gRPC and Redis are imported; it imports only the mask's own config. The mask is nested, not restated:
-`GRPOConfig(steps=50, mask=MaskConfig(method="dppo", delta=0.1))`.
+`GRPOConfig(steps=50, mask=MaskConfig(method="dppo", delta=0.1))`; LoRA likewise:
+`GRPOConfig(lora=LoraConfig(lora_rank=8))`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,51 @@ import math
 from dataclasses import dataclass, field
 
 from maskroll.trainer_adapter.config import MaskConfig
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA training (PEFT's `get_peft_model`): only the adapters train, and only they are published (a
+    few MB per version instead of the model). The fields are named as TRL's ModelConfig names them.
+
+    lora_rank: LoRA rank r of every adapted Linear; 0 trains the full model (LoRA off). The replicas must be
+        started with --max-lora-rank >= r
+    lora_alpha: LoRA alpha (the update is scaled by alpha / r); unset: 2 × rank
+    lora_dropout: dropout on the adapters' input during training
+    lora_target_modules: the Linear modules adapted, by their short names (PEFT's target_modules)
+    """
+
+    lora_rank: int = 0
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __post_init__(self) -> None:
+        r = self.lora_rank
+        if not (isinstance(r, int) and not isinstance(r, bool) and 0 <= r <= 512):
+            raise ValueError(f"LoraConfig.lora_rank={r!r}; expected an int in [0, 512] (0 = LoRA off)")
+        a = self.lora_alpha
+        if a is not None and not (isinstance(a, (int, float)) and math.isfinite(a) and a > 0):
+            raise ValueError(
+                f"LoraConfig.lora_alpha={a!r}; expected a finite number > 0 (or unset: 2 × rank)"
+            )
+        if not (isinstance(self.lora_dropout, (int, float)) and 0.0 <= self.lora_dropout < 1.0):
+            raise ValueError(f"LoraConfig.lora_dropout={self.lora_dropout!r}; expected a number in [0, 1)")
+        targets = self.lora_target_modules
+        if isinstance(targets, str) or not all(isinstance(t, str) and t for t in targets) or not targets:
+            raise ValueError(
+                f"LoraConfig.lora_target_modules={targets!r}; expected names like ('q_proj', 'v_proj')"
+            )
+        object.__setattr__(self, "lora_target_modules", tuple(targets))  # a list read back from JSON
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def alpha(self) -> float:
+        """lora_alpha, or 2 × rank when unset."""
+        return float(self.lora_alpha) if self.lora_alpha is not None else 2.0 * self.lora_rank
 
 
 @dataclass(frozen=True)
@@ -29,6 +75,7 @@ class GRPOConfig:
     max_staleness: policy versions generation may run ahead of the optimiser (admission control)
     eval_prompts: held-out prompts scored before and after training
     eval_n: samples per held-out prompt
+    lora: LoRA (LoraConfig): train and publish low-rank adapters instead of the full model
     """
 
     steps: int = 30
@@ -43,10 +90,13 @@ class GRPOConfig:
     max_staleness: int = 1
     eval_prompts: int = 16
     eval_n: int = 4
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mask, MaskConfig):
             raise TypeError(f"GRPOConfig.mask must be a MaskConfig, got {type(self.mask).__name__}")
+        if not isinstance(self.lora, LoraConfig):
+            raise TypeError(f"GRPOConfig.lora must be a LoraConfig, got {type(self.lora).__name__}")
         if not (isinstance(self.seed, int) and not isinstance(self.seed, bool)):
             raise ValueError(f"GRPOConfig.seed={self.seed!r}; expected an int")
         for name, low in (

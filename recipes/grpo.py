@@ -22,6 +22,10 @@ The run: `train(..., run="new")` (the default) starts a new training run on the 
 (`CheckpointPublisher.start`), and the previous run's leftover jobs and records are never trained on;
 `run="resume"` continues the namespace's run from its last published version and checkpoint.
 
+LoRA (`GRPOConfig.lora`, rank > 0): the model is wrapped with PEFT (`lora_model`), only the adapters are
+trained and published (the stream transport sends the adapter, a few MB, where the model is hundreds);
+masks and loss are unchanged, since log π comes from the adapted model as it would from a full one.
+
 Copy it and change the task (`digits` here), the model and the optimiser. It runs against replicas and a
 Redis that already exist; `maskroll demo` (app/demo.py) starts those and calls `train`.
 """
@@ -58,10 +62,17 @@ from maskroll.trainer_adapter import (
 )
 from maskroll.trainer_adapter.collate import Batch
 from maskroll.trainer_adapter.distill import distill_advantages
-from maskroll.weight_sync import CHECKPOINT_FILE, checkpoint_dir, make_publisher, read_trained, write_trained
+from maskroll.weight_sync import (
+    CHECKPOINT_FILE,
+    checkpoint_dir,
+    is_lora,
+    make_publisher,
+    read_trained,
+    write_trained,
+)
 
 from . import data_parallel, digits
-from .config import GRPOConfig
+from .config import GRPOConfig, LoraConfig
 
 
 @dataclass
@@ -104,11 +115,44 @@ class StepEvent:
     groups: tuple[str, ...]
 
 
+def lora_model(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+    """`model` wrapped with PEFT LoRA adapters as `cfg` says (PEFT's defaults otherwise: A random, B = 0, so
+    the wrapped model computes the base's outputs until it trains); its base parameters are frozen, so
+    only the adapters get gradients."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=list(cfg.lora_target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return peft.get_peft_model(model, config)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the full weights a full-model publish sends: the base's parameters (a LoRA model's
+    adapters left out), shared tensors counted once."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if ".lora_" in name or p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
 def _save_final(model, model_dir: Path, final_dir: Path, written: Path | None = None) -> None:
     """`model` as a Hugging Face model directory with `model_dir`'s tokenizer and generation config;
-    written: a checkpoint directory holding its weights (a sharded model's last published version)."""
+    written: a checkpoint directory holding its weights (a sharded model's last published version). A
+    LoRA model is saved merged (W + scale · B A: a plain model any engine loads); the run's adapters
+    themselves are under weights_root (`maskroll export-model`)."""
     import shutil
 
+    if is_lora(model):
+        model = model.merge_and_unload()  # in place: training is over
     final_dir.mkdir(parents=True, exist_ok=True)
     if written is None:
         model.save_pretrained(final_dir, safe_serialization=True)
@@ -333,6 +377,16 @@ def _train(
     import transformers
 
     ranks, main = collective.world_size, collective.rank == 0
+    if cfg.lora.enabled and weight_transport != "stream":
+        raise ValueError(
+            f"GRPOConfig.lora (rank {cfg.lora.lora_rank}) publishes adapters, which the stream transport "
+            f"sends; weight_transport={weight_transport!r} publishes full weights only"
+        )
+    if cfg.lora.enabled and sharding == "fsdp2" and ranks > 1:
+        raise ValueError(
+            "GRPOConfig.lora with sharding='fsdp2': a LoRA model is not sharded (its adapters are small, "
+            "the base is frozen); use sharding='ddp'"
+        )
     if cfg.prompts_per_step < ranks:
         raise ValueError(
             f"GRPOConfig.prompts_per_step={cfg.prompts_per_step} with {ranks} trainer ranks: every rank "
@@ -349,6 +403,9 @@ def _train(
 
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    full_bytes = model_bytes(model)
+    if cfg.lora.enabled:
+        model = lora_model(model, cfg.lora)
     model.to(data_parallel.device()).train()
     auth = grpc_auth()
     with RankedQueue(
@@ -377,7 +434,8 @@ def _train(
         if main and run == "resume":  # killed between publish and ack: the last version's batch is trained
             v = q.policy_version
             rq.skip_trained(read_trained(weights_root, q.run_id, after=v - 1, through=v))
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)  # after wrap: FSDP2 replaces the parameters
+        # after wrap: FSDP2 replaces the parameters; with LoRA only the adapters require gradients
+        opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
         reward_before = evaluate(eval_address, eval_prompts, cfg, task) if main else None
         if main:
             print(f"  held-out reward before training: {reward_before:.3f}", flush=True)
@@ -490,7 +548,10 @@ def _train(
         replica_versions = {}
         for rep in q.replicas():  # ask each replica: heartbeats refresh only every few seconds
             with SyncRolloutClient(rep.address, **auth) as c:
-                replica_versions[rep.replica_id] = c.info().policy_version
+                info = c.info()
+            # a LoRA run's version is its adapter's (the replica's full weights stay the base's, version 0)
+            adapter = [a.version for a in info.adapters if a.namespace == namespace]
+            replica_versions[rep.replica_id] = adapter[0] if adapter else info.policy_version
         if final_dir is not None:  # the final policy as a Hugging Face model directory
             # a sharded model is whole only in the last version's file, which the publish wrote
             last = (
@@ -507,4 +568,8 @@ def _train(
         "replica_versions": replica_versions,
         "queue": queue_stats,
         "trainer_ranks": ranks,
+        "lora_rank": cfg.lora.lora_rank,
+        "model_bytes": full_bytes,
+        # what one replica was sent for the last version: the adapter with LoRA, else the full weights
+        "weight_bytes_per_update": getattr(getattr(publisher, "inner", publisher), "last_update_bytes", None),
     }

@@ -21,7 +21,7 @@ from typing import Any
 
 from maskroll.trainer_adapter.config import MaskConfig
 
-from .config import GRPOConfig
+from .config import GRPOConfig, LoraConfig
 from .launch import run_ranks
 
 TASKS = ("digits", "arithmetic")  # train(task=...) by name: a task object does not cross processes
@@ -43,7 +43,9 @@ def write_config(path: Path, cfg: GRPOConfig, *, result: Path, task: str = "digi
 def read_config(path: Path) -> tuple[GRPOConfig, dict, str, Path]:
     body = json.loads(Path(path).read_text())
     grpo = dict(body["grpo"])
-    cfg = GRPOConfig(**{**grpo, "mask": MaskConfig(**grpo["mask"])})
+    cfg = GRPOConfig(
+        **{**grpo, "mask": MaskConfig(**grpo["mask"]), "lora": LoraConfig(**grpo.get("lora", {}))}
+    )
     train = {k: Path(v) if k in PATHS and v is not None else v for k, v in body["train"].items()}
     return cfg, train, body["task"], Path(body["result"])
 

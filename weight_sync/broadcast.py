@@ -94,11 +94,17 @@ async def weights_of_each(
     token: str | None = None,
     tls: bool = False,
     root_certs: bytes | None = None,
+    adapter_namespace: str | None = None,
 ) -> dict[str, ReplicaWeights | str]:
-    """GetInfo on every replica concurrently: {replica_id: ReplicaWeights | "<ErrorType>: <message>"}."""
+    """GetInfo on every replica concurrently: {replica_id: ReplicaWeights | "<ErrorType>: <message>"}.
+    adapter_namespace: what each serves for that namespace's LoRA run instead (its current adapter's run
+    and version, in GetInfo's adapters; ReplicaWeights("", 0) when it has none: the base)."""
 
     async def call(_: int, c: RolloutClient) -> ReplicaWeights:
         info = await asyncio.wait_for(c.info(), timeout)
+        if adapter_namespace is not None:
+            current = [a for a in info.adapters if a.namespace == adapter_namespace]
+            return ReplicaWeights(current[0].run_id, current[0].version) if current else ReplicaWeights("", 0)
         return ReplicaWeights(info.run_id, info.policy_version, info.weights_fingerprint)
 
     return await _each(replicas, call, token=token, tls=tls, root_certs=root_certs)
@@ -254,21 +260,41 @@ async def push_weights_async(
     record=None re-sends the run's current version to the live replicas that do not serve it (joined
     or restarted since) and records nothing; it raises nothing when every replica is current.
     fingerprint (version 0): the trainer's model's; replicas whose starting weights have it adopt the
-    version instead of receiving it. Results and errors as `broadcast_weights`."""
+    version instead of receiving it. Results and errors as `broadcast_weights`. A LoRA adapter
+    (`manifest.adapter`) is pushed for the queue's namespace (`manifest.namespace`): a replica serves
+    it when its current adapter of that namespace is this version of the run (GetInfo's adapters)."""
     await queue.open()
     if record is not None:
         await queue.record_version(version, record)
     manifest = replace(manifest, version=int(version), run_id=queue.run_id)
+    if manifest.adapter is not None:
+        manifest = replace(manifest, namespace=manifest.namespace or queue.namespace)
+    adapter_ns = manifest.namespace if manifest.adapter is not None else None
 
     async def send(reps: list[ReplicaInfo]) -> dict[str, str]:
         return await push_each(reps, manifest, chunks, timeout=timeout, **queue.replica_auth)
 
     if record is None:
         return await _load_everywhere(
-            queue, version, "", timeout, skip_current=True, send=send, quiet=True, fingerprint=fingerprint
+            queue,
+            version,
+            "",
+            timeout,
+            skip_current=True,
+            send=send,
+            quiet=True,
+            fingerprint=fingerprint,
+            adapter_namespace=adapter_ns,
         )
     return await _load_everywhere(
-        queue, version, "", timeout, skip_current=version == 0, send=send, fingerprint=fingerprint
+        queue,
+        version,
+        "",
+        timeout,
+        skip_current=version == 0,
+        send=send,
+        fingerprint=fingerprint,
+        adapter_namespace=adapter_ns,
     )
 
 
@@ -295,18 +321,22 @@ async def _load_everywhere(
     send: Callable[[list[ReplicaInfo]], Awaitable[dict[str, str]]] | None = None,
     quiet: bool = False,
     fingerprint: str = "",
+    adapter_namespace: str | None = None,
 ) -> dict[str, str]:
     """`version` onto every live replica of `queue` (UpdateWeights of `checkpoint_dir`, or `send`).
     skip_current: replicas already serving this version of the run are left alone ("unchanged": a
     replica would refuse it as "not greater"). quiet: a catch-up (PushWeights of the current
     version): no live replica, or every one current, is not an error. fingerprint (version 0 only): the
     trainer's model's; replicas on starting weights of that fingerprint adopt version 0 instead
-    ("adopted": no bytes sent)."""
+    ("adopted": no bytes sent). adapter_namespace: a LoRA adapter's push; "serving the version" is
+    then that namespace's current adapter (weights_of_each)."""
     reps = await queue.replicas()
     auth, run_id = queue.replica_auth, queue.run_id
     results: dict[str, str] = {}
     if skip_current:
-        serving = await weights_of_each(reps, timeout=min(timeout, 10.0), **auth)
+        serving = await weights_of_each(
+            reps, timeout=min(timeout, 10.0), adapter_namespace=adapter_namespace, **auth
+        )
         current = {r for r, w in serving.items() if w == ReplicaWeights(run_id, version)}
         results = {r: "unchanged" for r in current}
         reps = [rep for rep in reps if rep.replica_id not in current]

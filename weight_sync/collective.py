@@ -146,6 +146,9 @@ class CollectivePublisher:
     ) -> None:
         if (rank == 0) == (queue is None):
             raise ValueError(f"rank {rank}: the queue is rank 0's, and only rank 0's (queue=None elsewhere)")
+        from .lora import refuse_lora
+
+        refuse_lora(model, "collective (NCCL)")
         self.queue, self.model, self.rank = queue, model, rank
         self.master_address, self.master_port, self.packed = master_address, master_port, packed
         self.tp, self.timeout = tensor_parallel_size, timeout

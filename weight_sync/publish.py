@@ -35,6 +35,7 @@ from maskroll.client import BroadcastError, ReplicaWeights
 from . import broadcast
 from .checkpoint import CHECKPOINT_FILE, checkpoint_dir, load_checkpoint, prune, save_checkpoint
 from .fingerprint import model_fingerprint
+from .lora import refuse_lora
 
 if TYPE_CHECKING:
     from maskroll.client import RolloutQueue, RunInfo
@@ -193,6 +194,7 @@ class CheckpointPublisher:
         run = getattr(fleet, "run", None)
         if run is None or not hasattr(fleet, "replica_weights"):
             raise TypeError("start() needs a maskroll.client.RolloutQueue: it reads the run and the replicas")
+        refuse_lora(model, "directory")
         if run.version > 0:
             own = checkpoint_dir(self.root, run.version)
             load_checkpoint(model, own if own.exists() or not run.checkpoint else run.checkpoint)
@@ -211,6 +213,7 @@ class CheckpointPublisher:
         load it on every live replica; returns {replica_id: "ok" | "unchanged" | error}."""
         # checked before saving: writing <root>/v<last> again would change the run's resume point
         version = next_version(self.version, version)
+        refuse_lora(model, "directory")  # a PeftModel's state dict is not what the replicas load
         path = save_checkpoint(model, self.root, version)
         results = self._checked(
             version, lambda: self.fleet.broadcast_weights(version, str(path), timeout=self.timeout)

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import torch
 
 from .checkpoint import checkpoint_dir
+from .lora import LoraUnsupported, is_lora
 from .publish import WeightSyncError, next_version
 from .sharded import is_sharded, load_sharded, read_written, version_file, write_gathered
 
@@ -130,6 +131,11 @@ class RankedPublisher:
     def start(self, model: torch.nn.Module) -> int:
         """Every rank: trainer and live replicas on the run's current version (as the inner publisher's
         start()); returns it on every rank. A resumed run's weights end up in every rank's model."""
+        if is_sharded(model) and is_lora(model):
+            raise LoraUnsupported(
+                "a LoRA model sharded with FSDP2 is not published: its adapter is a few MB, so wrap it "
+                "with DDP (sharding='ddp'), whose rank 0 publishes the adapter"
+            )
         if self.transport == "collective":
             # rank 0 forms the NCCL group with the replicas; the others only set up their gathers
             self.inner._own(model)

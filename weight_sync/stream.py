@@ -19,6 +19,14 @@ A model sharded across trainer ranks (FSDP2) is never snapshotted whole: `ranked
 every rank gather it one parameter at a time into a file (`sharded.write_gathered`: `written_path`, the
 resume copy under save_root or else a spool file of this publisher's), and `publish_written` pushes that
 file, read chunk by chunk, to the replicas and keeps it for the follower instead of a snapshot.
+
+A PEFT LoRA model (`lora.is_lora`) is published as its adapter only (`lora.adapter_of`: the "default"
+adapter's A and B, a few MB where the model is hundreds): the manifest carries the `AdapterSpec` (rank,
+alpha, targets, the base's fingerprint) and the queue's namespace, and the replicas apply it on their base.
+A new run's version 0 is the adapter as initialised (B = 0: the base's outputs), pushed, never adopted;
+save_root holds each version as an adapter directory in PEFT's layout (`lora.save_adapter`), which
+start() loads back into the model when the run resumes. `last_update_bytes` says what one replica was
+sent for the last version either way.
 """
 
 from __future__ import annotations
@@ -29,15 +37,16 @@ import threading
 import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from maskroll.client import BroadcastError
 from maskroll.proto.heap import trim_heap
-from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES, TensorSpec, WeightsManifest
+from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES, AdapterSpec, TensorSpec, WeightsManifest
 
-from . import broadcast
+from . import broadcast, lora
 from .checkpoint import checkpoint_dir, load_checkpoint, prune
 from .fingerprint import model_fingerprint
 from .publish import WeightSyncError, checked, next_version, publish_first
@@ -182,6 +191,12 @@ class StreamPublisher:
         self._written: WrittenVersion | None = None  # ... or its file (a sharded model's, publish_written)
         self._spool: str | None = None  # where written versions go without save_root (made on first use)
         self._manifest: WeightsManifest | None = None
+        self._base_fingerprint = ""  # a LoRA model's base (frozen: computed once)
+        self.last_update_bytes = 0  # tensor bytes one replica is sent for the last version published
+        self.last_sent_bytes = (
+            0  # tensor bytes streamed by the last push round (publish or catch-up), all replicas
+        )
+        self._count_lock = threading.Lock()
         self._lock = threading.Lock()  # one push at a time: publish vs the follower's catch-up
         self._stop = threading.Event()
         self._follower: threading.Thread | None = None
@@ -206,11 +221,23 @@ class StreamPublisher:
         `resume_from_base=True`: then `model` is published as a new version v + 1 (returned), never
         labelled v. A run at 0 publishes `model` as its version 0: live replicas whose starting weights
         are `model`'s (equal weights fingerprints) adopt it, the others are pushed it, and the follower
-        does the same for replicas that join later (CheckpointPublisher.start)."""
+        does the same for replicas that join later (CheckpointPublisher.start). A PEFT LoRA model: its
+        adapter, version 0 pushed to every replica (never adopted), a resumed run's adapter loaded from
+        `<save_root>/v<v>` (PEFT's layout) into the model's adapter."""
         run = self.queue.run
+        adapter = lora.is_lora(model)
         if run.version > 0:
             own = checkpoint_dir(self.save_root, run.version) if self.save_root else None
             if own is not None and own.exists():
+                if adapter:
+                    self._resume_adapter(model, own)
+                    self.catch_up()
+                    return run.version
+                if (own / lora.CONFIG_FILE).exists():
+                    raise RuntimeError(
+                        f"{own} holds a LoRA adapter (the run trained one), but the model given to start() "
+                        "is not a PEFT LoRA model: wrap it with peft.get_peft_model as the run did"
+                    )
                 load_checkpoint(model, own)
             elif self.held == (run.run_id, run.version):
                 pass  # the caller's model holds it (published or loaded by an earlier publisher)
@@ -226,10 +253,11 @@ class StreamPublisher:
                     "TRL) at the directory the run saved into, start a new run (run='new'), or pass "
                     f"resume_from_base=True to publish this model as a new version {run.version + 1}"
                 )
-            self._remember(snapshot(model), run.version)
+            self._remember_model(model, run.version)
             self.catch_up()
             return run.version
-        self._fingerprint = model_fingerprint(model)
+        # a LoRA run's version 0 is an adapter (B = 0): pushed, never adopted as full weights
+        self._fingerprint = "" if adapter else model_fingerprint(model)
         results = publish_first(self.publish, model)
         log.info("run %s starts at version 0: %s", run.run_id, results or "no live replica yet")
         return 0
@@ -267,10 +295,13 @@ class StreamPublisher:
             # that joins mid-publish waits for the lock and is then pushed the new one (catch_up).
             self._tensors, self._written, self._manifest = None, None, None
             trim_heap()
-            tensors = snapshot(model)
-            self._remember(tensors, version)
+            self._remember_model(model, version)
             if self.save_root is not None:  # before the push records the version: a resume finds it
-                save_snapshot(tensors, self._manifest, checkpoint_dir(self.save_root, version))
+                out = checkpoint_dir(self.save_root, version)
+                if self._manifest.adapter is not None:
+                    lora.save_adapter(out, self._manifest.adapter, self._tensors)
+                else:
+                    save_snapshot(self._tensors, self._manifest, out)
             results = self._push_new(version)
         self._prune(version)
         return checked(version, results, self.require_all)
@@ -298,6 +329,7 @@ class StreamPublisher:
             before = self._written
             self._tensors, self._written, self._manifest = None, written, written.manifest
             self.held = (self.queue.run.run_id, version)
+            self.last_update_bytes = written.manifest.total_bytes
             if version == 0:
                 self._fingerprint = written.fingerprint
             try:
@@ -309,6 +341,7 @@ class StreamPublisher:
         return checked(version, results, self.require_all)
 
     def _push_new(self, version: int) -> dict[str, str]:
+        self.last_sent_bytes = 0
         try:
             return broadcast.push_weights(
                 self.queue,
@@ -328,6 +361,7 @@ class StreamPublisher:
         with self._lock:
             if self._manifest is None:
                 return {}
+            self.last_sent_bytes = 0
             return broadcast.push_weights(
                 self.queue,
                 self._manifest.version,
@@ -356,10 +390,44 @@ class StreamPublisher:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _remember(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        self._tensors, self._manifest = tensors, manifest_of(tensors, version)
+    def _remember(
+        self, tensors: dict[str, torch.Tensor], version: int, adapter: AdapterSpec | None = None
+    ) -> None:
+        manifest = manifest_of(tensors, version)
+        if adapter is not None:  # applied on the replicas' base, for the queue's namespace
+            manifest = replace(manifest, adapter=adapter, namespace=self.queue.namespace)
+        self._tensors, self._manifest = tensors, manifest
         self._written = None
         self.held = (self.queue.run.run_id, version)
+        self.last_update_bytes = manifest.total_bytes
+
+    def _remember_model(self, model: Mapping[str, torch.Tensor] | torch.nn.Module, version: int) -> None:
+        """`model` as the version to send: a LoRA model's adapter (CPU copies), else a snapshot."""
+        if not lora.is_lora(model):
+            self._remember(snapshot(model), version)
+            return
+        if not self._base_fingerprint:
+            self._base_fingerprint = lora.base_fingerprint(model)
+        spec, tensors = lora.adapter_of(model, fingerprint=self._base_fingerprint)
+        self._remember(tensors, version, spec)
+
+    def _resume_adapter(self, model: torch.nn.Module, directory: Path) -> None:
+        """A resumed LoRA run: the adapter saved in `directory` loaded into `model` and remembered as the
+        run's current version, after checking it was trained on this model's base."""
+        if not (directory / lora.CONFIG_FILE).exists():
+            raise RuntimeError(
+                f"{directory} holds no LoRA adapter (the run trained the full model), but the model given to "
+                "start() is a PEFT LoRA model: resume with the plain model, or start a new run (run='new')"
+            )
+        spec, tensors = lora.load_adapter(directory)
+        base = self._base_fingerprint = lora.base_fingerprint(model)
+        if spec.base_fingerprint and spec.base_fingerprint != base:
+            raise RuntimeError(
+                f"the adapter in {directory} was trained on base {spec.base_fingerprint}, but the model "
+                f"given to start() has base {base}: start it from the run's base model"
+            )
+        lora.load_into(model, tensors)
+        self._remember_model(model, self.queue.run.version)
 
     def remember_written(self, written: WrittenVersion) -> None:
         """Take `written` (a resumed run's version, loaded into a sharded model from it) as the version
@@ -371,9 +439,16 @@ class StreamPublisher:
     def _chunks(self) -> Iterator[tuple[int, int, memoryview | bytes]]:
         # the version being sent, even if a publish replaces it meanwhile
         tensors, written = self._tensors, self._written
-        if written is not None:
-            return written.chunks(self.chunk_bytes)
-        return chunks_of(tensors, self.chunk_bytes)
+        chunks = (
+            written.chunks(self.chunk_bytes) if written is not None else chunks_of(tensors, self.chunk_bytes)
+        )
+        return self._counted(chunks)
+
+    def _counted(self, chunks: Iterator[tuple[int, int, memoryview | bytes]]):
+        for chunk in chunks:
+            with self._count_lock:  # the replicas' pushes read their chunks concurrently
+                self.last_sent_bytes += len(chunk[2])
+            yield chunk
 
     def _follow(self, period: float) -> None:
         while not self._stop.wait(period):

@@ -4,6 +4,7 @@ tensor, not the file; "" when the directory has no safetensors (nothing to compa
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -14,15 +15,31 @@ from maskroll.proto.fingerprint import sample_indices, weights_fingerprint
 log = logging.getLogger("maskroll.weights")
 
 
+def _tied_output(model_dir: Path) -> bool:
+    """config.json ties the output embedding to the input one (tie_word_embeddings)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("tie_word_embeddings", False))
+
+
 def fingerprint_dir(model_dir: str | Path) -> str:
     import torch
     from safetensors import safe_open
 
-    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+    # A tied lm_head is the input embedding: a trainer's model counts it once (weight_sync/fingerprint.py,
+    # shared storage), and transformers saves it once; a directory that stores it anyway (SmolLM2's
+    # conversion did) must not count it twice, or no trainer's model ever matches this replica's base.
+    skip = {"lm_head.weight"} if _tied_output(model_dir) else set()
     items = []
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name in skip:
+                    continue
                 part = f.get_slice(name)
                 shape = tuple(part.get_shape())
                 if part.get_dtype() not in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"):

@@ -40,6 +40,22 @@ def test_a_checkpoint_on_a_replica_and_the_model_in_a_trainer_agree(tmp_path, ti
     assert model_fingerprint(dict(model.state_dict())) == fp
 
 
+def test_a_tied_lm_head_stored_anyway_counts_once(tmp_path):
+    """A directory that stores the tied lm_head beside the embedding (SmolLM2's conversion does) hashes
+    like the model, which holds it once; without the tie, the stored lm_head is a weight of its own."""
+    from safetensors.torch import save_file
+
+    model = _llama(True)
+    model.save_pretrained(tmp_path / "m")
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    assert "lm_head.weight" in state
+    save_file(state, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    assert fingerprint_dir(tmp_path / "m") == model_fingerprint(model)
+    cfg = tmp_path / "m" / "config.json"
+    cfg.write_text(cfg.read_text().replace('"tie_word_embeddings": true', '"tie_word_embeddings": false'))
+    assert fingerprint_dir(tmp_path / "m") != model_fingerprint(model)
+
+
 def test_other_weights_give_another_fingerprint():
     model = _llama(False)
     fp = model_fingerprint(model)
