@@ -12,6 +12,11 @@ both health services read NOT_SERVING, with the reason logged once per change. `
 graceful stop: health → NOT_SERVING, no new requests or jobs, in-flight streams and jobs run on for up
 to drain_timeout_s (streams then end with finish_reason "abort"; unfinished jobs stay pending in Redis
 for another replica), then the engine closes.
+
+With `--lora-namespaces` the replica serves several namespaces (several LoRA runs on its base,
+docs/lora.md "Several runs, one fleet"): a lane each (lanes.py) — its own puller (sharing
+pull_concurrency through pull/slots.py), registry heartbeat and join, all joined in parallel; it is
+ready once every namespace has joined (or its join gave up).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -34,15 +39,18 @@ from maskroll.proto.run_record import RunRecordError
 from maskroll.proto.streams import StreamKeys
 
 from . import activity
+from . import lanes as lanes_
 from .activity import log_activity
 from .auth import BearerTokenInterceptor, server_credentials
 from .config import ConfigError, ServerConfig
 from .engines.contract import Engine
 from .grpc_api.servicer import RolloutServicer, add_raw_push_handler
+from .lanes import Lane
 from .metrics import Metrics
 from .pull.jobs import JobRunner
 from .pull.publisher import RolloutPublisher
 from .pull.puller import PromptPuller
+from .pull.slots import JobSlots
 from .weights.fingerprint import fingerprint_dir
 from .weights.join import join_current_version
 
@@ -79,17 +87,27 @@ class Replica:
     _httpd: object | None = None
     _drained: bool = False
     redis: object | None = None  # redis.asyncio.Redis (or RedisCluster) when redis_url is set
-    keys: StreamKeys | None = None  # the namespace's key layout (partitions, cluster) when redis_url is set
-    puller: PromptPuller | None = None
-    _puller_task: asyncio.Task | None = None
-    _announce_task: asyncio.Task | None = None  # the registry heartbeat without a puller
+    # the namespaces served when redis_url is set (lanes.py): --namespace first, then --lora-namespaces
+    lanes: list[Lane] = field(default_factory=list)
     _health_task: asyncio.Task | None = None
     http: object | None = None  # http_server.HttpFrontEnd when http_port is set
-    _join_task: asyncio.Task | None = None  # retrying the join while the run record is invalid
     _activity_task: asyncio.Task | None = None  # the periodic activity line (activity.py)
     reward_worker: object | None = None  # maskroll.stages' RewardWorker with --reward
     _reward_task: asyncio.Task | None = None
     _serving: bool = False  # what both health services say now (SERVING), until the drain
+
+    @property
+    def keys(self) -> StreamKeys | None:
+        """--namespace's key layout (partitions, cluster) when redis_url is set."""
+        return self.lanes[0].keys if self.lanes else None
+
+    @property
+    def puller(self) -> PromptPuller | None:
+        """--namespace's puller (pull mode)."""
+        return self.lanes[0].puller if self.lanes else None
+
+    def _lane_tasks(self) -> list[asyncio.Task]:
+        return [t for lane in self.lanes for t in (lane.join_task, lane.announce_task) if t is not None]
 
     def abort_all(self) -> None:
         """End every in-flight request of both front ends now (a second SIGTERM)."""
@@ -111,25 +129,29 @@ class Replica:
         self._drained = True
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         await self.health.enter_graceful_shutdown()  # NOT_SERVING for every service, permanently
-        for task in (self._health_task, self._join_task, self._activity_task, self._announce_task):
+        for task in (self._health_task, self._activity_task, *self._lane_tasks()):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        if self._announce_task is not None:  # out of the registry: trainers stop pushing to it
-            with contextlib.suppress(Exception):
-                await self.redis.delete(self.keys.replica(self.config.replica_id))
+        for lane in self.lanes:
+            if lane.announce_task is not None:  # out of the registry: trainers stop pushing to it
+                with contextlib.suppress(Exception):
+                    await self.redis.delete(lane.keys.replica(self.config.replica_id))
         self.servicer.begin_drain()
         # The HTTP front end drains beside gRPC, under the same timeout, and is closed before the engine.
         http_drain = asyncio.create_task(self.http.drain(timeout_s)) if self.http is not None else None
         started = asyncio.get_running_loop().time()
-        if self.puller is not None:
-            self.puller.stop()
-            left = await self.puller.drain(timeout_s)
+        pulling = [lane for lane in self.lanes if lane.puller is not None]
+        if pulling:
+            for lane in pulling:  # every namespace stops taking jobs at once, then all drain together
+                lane.puller.stop()
+            left = sum(await asyncio.gather(*(lane.puller.drain(timeout_s) for lane in pulling)))
             if left:
                 log.warning("drain: %d jobs unfinished; left pending in Redis for another replica", left)
-            if self._puller_task is not None:  # None: the replica never joined its run
-                await asyncio.gather(self._puller_task, return_exceptions=True)
-            await self.puller.unregister()
+            for lane in pulling:
+                if lane.puller_task is not None:  # None: the namespace never joined its run
+                    await asyncio.gather(lane.puller_task, return_exceptions=True)
+                await lane.puller.unregister()
             timeout_s = max(0.0, timeout_s - (asyncio.get_running_loop().time() - started))
         if self.reward_worker is not None:  # what it is scoring finishes, or stays pending for another
             self.reward_worker.stop()
@@ -181,7 +203,8 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
     until the replica has joined its training run (server/weights/join.py), and Generate is refused
     (UNAVAILABLE) until then: a joining replica must not sample from the weights it started with."""
     metrics = Metrics()
-    redis, publisher = await _queue(config, metrics)
+    redis, lanes = await _queue(config, metrics)
+    publisher = lanes[0].publisher if lanes else None  # --namespace's: Generate's and HTTP's records
     try:
         servicer = RolloutServicer(engine, config, metrics, publisher)
         servicer.not_ready = STARTING
@@ -214,11 +237,17 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
         owns_engine=owns_engine,
         _httpd=httpd,
         redis=redis,
-        keys=publisher.keys if publisher is not None else None,
-        puller=_puller(config, engine, redis, publisher, port, servicer, metrics) if config.pull else None,
+        lanes=lanes,
     )
-    if publisher is not None and not config.pull:  # publishes records: trainers must find it
-        replica._announce_task = asyncio.create_task(_announce(replica), name="registry-heartbeat")
+    if config.pull:
+        # several namespaces share pull_concurrency (taken in turn); one keeps its own, as it always had
+        slots = JobSlots(config.pull_concurrency) if len(lanes) > 1 else None
+        for lane in lanes:
+            lane.puller = _puller(config, engine, redis, lane, port, servicer, metrics, slots)
+    else:  # publishes records: trainers must find it
+        for lane in lanes:
+            name = f"registry-heartbeat-{lane.namespace}"
+            lane.announce_task = asyncio.create_task(_announce(replica, lane), name=name)
     if config.reward:  # needs no weights: it scores from the first record on
         replica.reward_worker = _reward_worker(config, redis, publisher.keys)
         replica._reward_task = asyncio.create_task(replica.reward_worker.supervise(), name="reward-stage")
@@ -230,8 +259,7 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
         if config.activity_log_s > 0:
             activity = log_activity(replica.metrics, lambda: engine.policy_version, config.activity_log_s)
             replica._activity_task = asyncio.create_task(activity, name="activity-log")
-        if not await _join(replica):
-            replica._join_task = asyncio.create_task(_rejoin(replica), name="join-run")
+        await _join_all(replica)
         await _refresh_health(replica)
     except BaseException:
         await _abandon(replica)
@@ -273,44 +301,62 @@ async def _tokenizer_fingerprint(config: ServerConfig) -> str:
         return ""
 
 
-async def _join(replica: Replica) -> bool:
-    """Join the run (the run's current weights before the first job or request); then serve. False,
-    with the reason where health checks and refused requests show it, when the run record is invalid:
-    the replica then stays NOT_SERVING rather than serve outside the run or crash (every replica of the
-    namespace would, in a loop)."""
+async def _join_all(replica: Replica) -> None:
+    """Join every namespace's run, all at once (a streamed run waits for its trainer's push: those waits
+    overlap); a namespace whose run record is invalid keeps retrying in the background."""
+    if not replica.lanes:  # no Redis: no run to join
+        replica.servicer.not_ready = None
+        return
+    for lane in replica.lanes:
+        lane.not_ready = STARTING
+    joined = await asyncio.gather(*(_join(replica, lane) for lane in replica.lanes))
+    for lane, ok in zip(replica.lanes, joined, strict=True):
+        if not ok:
+            lane.join_task = asyncio.create_task(_rejoin(replica, lane), name=f"join-run-{lane.namespace}")
+
+
+async def _join(replica: Replica, lane: Lane) -> bool:
+    """Join the namespace's run (the run's current weights, or its adapter, before the first job or
+    request); then serve it. False, with the reason where health checks and refused requests show it,
+    when the run record is invalid: the replica then stays NOT_SERVING rather than serve outside the run
+    or crash (every replica of the namespace would, in a loop)."""
     try:
-        await join_current_version(replica)
+        await join_current_version(replica, lane)
     except RunRecordError as exc:
         reason = (
             f"cannot join the training run: {exc}; NOT_SERVING until the record is valid (a trainer's "
             "run='new' rewrites it), checked every few seconds"
         )
-        if replica.servicer.not_ready != reason:
-            log.error("%s", reason)
-        replica.servicer.not_ready = reason
+        if lane.not_ready != reason:
+            log.error("%s%s", reason, lane.label)
+        lane.not_ready = reason
+        replica.servicer.not_ready = lanes_.not_ready(replica.lanes)
         return False
-    replica.servicer.not_ready = None
-    if replica.puller is not None and replica._puller_task is None:
-        replica._puller_task = asyncio.create_task(replica.puller.supervise(), name="prompt-puller")
+    lane.not_ready = None
+    replica.servicer.not_ready = lanes_.not_ready(replica.lanes)
+    if lane.puller is not None and lane.puller_task is None:
+        name = "prompt-puller" if len(replica.lanes) == 1 else f"prompt-puller-{lane.namespace}"
+        lane.puller_task = asyncio.create_task(lane.puller.supervise(), name=name)
     return True
 
 
-async def _rejoin(replica: Replica) -> None:
+async def _rejoin(replica: Replica, lane: Lane) -> None:
     while True:
         await asyncio.sleep(JOIN_RETRY_S)
         try:
-            if await _join(replica):
-                log.info("joined the training run; serving")
+            if await _join(replica, lane):
+                log.info("joined the training run%s; serving", lane.label)
                 await _refresh_health(replica)
                 return
         except Exception:  # Redis unreachable for a while, say: the next attempt retries
-            log.warning("joining the training run failed; retrying", exc_info=True)
+            log.warning("joining the training run%s failed; retrying", lane.label, exc_info=True)
 
 
 async def _abandon(replica: Replica) -> None:
     """Undo a start that failed halfway: nothing may keep listening or running."""
-    tasks = (replica._health_task, replica._join_task, replica._activity_task, replica._puller_task)
-    for task in (*tasks, replica._announce_task, replica._reward_task):
+    pullers = [lane.puller_task for lane in replica.lanes]
+    tasks = (replica._health_task, replica._activity_task, *replica._lane_tasks(), *pullers)
+    for task in (*tasks, replica._reward_task):
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -354,8 +400,10 @@ def problems(replica: Replica) -> list[str]:
     """Why the replica cannot serve now (empty: it can): not joined its run yet, the engine's and the
     puller's reasons."""
     found = [replica.servicer.not_ready, replica.engine.failure()]
-    if replica.puller is not None and replica._puller_task is not None:
-        found.append(replica.puller.failure())
+    for lane in replica.lanes:
+        if lane.puller is not None and lane.puller_task is not None:
+            failure = lane.puller.failure()
+            found.append(failure and failure + lane.label)
     return [p for p in found if p]
 
 
@@ -390,28 +438,20 @@ async def _watch_health(replica: Replica) -> None:
         await asyncio.sleep(HEALTH_PERIOD_S)
 
 
-async def _queue(config: ServerConfig, metrics: Metrics) -> tuple[object | None, RolloutPublisher | None]:
-    """(Redis client, rollout publisher) when redis_url is set, else (None, None). The URL may name any
-    node of a Redis Cluster: the cluster client is used then, and the keys carry hash tags (StreamKeys)."""
-    redis, publisher = None, None
-    if config.redis is not None:
-        from maskroll.proto.redis_conn import open_redis
+async def _queue(config: ServerConfig, metrics: Metrics) -> tuple[object | None, list[Lane]]:
+    """(Redis client, a lane per namespace served: lanes.py) when redis_url is set, else (None, []). The
+    URL may name any node of a Redis Cluster: the cluster client is used then, and the keys carry hash
+    tags (StreamKeys)."""
+    if config.redis is None:
+        return None, []
+    from maskroll.proto.redis_conn import open_redis
 
-        redis, cluster = await open_redis(config.redis)
-        keys = StreamKeys(config.namespace, config.partitions, cluster)
-        if cluster:
-            log.info(
-                "Redis Cluster detected: namespace %r in %d partitions", config.namespace, keys.partitions
-            )
-        publisher = RolloutPublisher(
-            redis,
-            keys.rollouts,
-            max_len=config.rollout_stream_max_len,
-            wait_timeout_s=config.publish_wait_s,
-            metrics=metrics,
-            keys=keys,
-        )
-    return redis, publisher
+    redis, cluster = await open_redis(config.redis)
+    try:
+        return redis, await lanes_.open_lanes(config, redis, cluster, metrics)
+    except BaseException:
+        await redis.aclose()
+        raise
 
 
 def _grpc_server(
@@ -451,22 +491,24 @@ def _grpc_server(
 
 
 def _replica_info(
-    config: ServerConfig, engine: Engine, port: int, servicer: RolloutServicer, metrics: Metrics
+    config: ServerConfig, engine: Engine, port: int, servicer: RolloutServicer, metrics: Metrics, lane: Lane
 ) -> Callable[[], dict]:
-    """What the registry heartbeat says of this replica besides its jobs: address, model, the weights
-    served, and its load (tokens/s since the previous heartbeat, from its own metrics)."""
+    """What the registry heartbeat of one namespace says of this replica besides its jobs: address,
+    model, the weights that namespace is served (its run and version: `Lane.served`), and the replica's
+    load (tokens/s since the previous heartbeat, from its own metrics)."""
     address = config.advertise_address or _hostport(config.host, port)
     last = [activity.snapshot(metrics)]
 
     def info() -> dict:
         now = activity.snapshot(metrics)
         before, last[0] = last[0], now
+        run_id, version = lane.served(servicer)
         return {
             "address": address,
             "engine": engine.name,
             "model": engine.model_id,
-            "policy_version": engine.policy_version,
-            "run_id": servicer.weights_served[0],
+            "policy_version": version,
+            "run_id": run_id,
             "in_flight": int(now.in_flight),
             "tokens_per_s": (now.tokens - before.tokens) / max(now.at - before.at, 1e-9),
         }
@@ -474,12 +516,12 @@ def _replica_info(
     return info
 
 
-async def _announce(replica: Replica) -> None:
-    """The registry heartbeat of a replica that publishes records without pulling jobs (HTTP sessions,
-    Generate with a rollout stream): trainers find it there, push it each new version and count it live.
-    A puller writes its own (with its running jobs)."""
-    config, keys = replica.config, replica.keys
-    info = _replica_info(config, replica.engine, replica.port, replica.servicer, replica.metrics)
+async def _announce(replica: Replica, lane: Lane) -> None:
+    """The registry heartbeat (of one namespace) of a replica that publishes records without pulling jobs
+    (HTTP sessions, Generate with a rollout stream): trainers find it there, push it each new version and
+    count it live. A puller writes its own (with its running jobs)."""
+    config, keys = replica.config, lane.keys
+    info = _replica_info(config, replica.engine, replica.port, replica.servicer, replica.metrics, lane)
     period = max(0.2, config.heartbeat_ttl_s / 3)
     while True:
         try:
@@ -500,23 +542,26 @@ def _puller(
     config: ServerConfig,
     engine: Engine,
     redis: object,
-    publisher: RolloutPublisher | None,
+    lane: Lane,
     port: int,
     servicer: RolloutServicer,
     metrics: Metrics,
+    slots: JobSlots | None,
 ) -> PromptPuller:
-    """Pull mode: consume the namespace's prompt jobs, advertising this replica in the registry."""
+    """Pull mode: consume the namespace's prompt jobs (sampled with its adapter), advertising this replica
+    in the namespace's registry; `slots`: pull_concurrency shared with the other namespaces' pullers."""
     return PromptPuller(
         redis,
-        publisher.keys,
+        lane.keys,
         config.replica_id,
-        JobRunner(engine, config),
-        publisher,
+        JobRunner(engine, config, servicer.adapters, lane.namespace),
+        lane.publisher,
         concurrency=config.pull_concurrency,
         claim_idle_s=config.claim_idle_s,
         heartbeat_ttl_s=config.heartbeat_ttl_s,
         max_deliveries=config.max_job_deliveries,
-        replica_info=_replica_info(config, engine, port, servicer, metrics),
+        replica_info=_replica_info(config, engine, port, servicer, metrics, lane),
+        slots=slots,
     )
 
 
@@ -545,7 +590,10 @@ def ready_line(r: Replica) -> str:
     metrics = f"http://{_hostport(r.config.host, r.metrics_port)}/metrics" if r.metrics_port else "off"
     tls = "tls" if r.config.tls_cert else "plaintext"
     auth = "token" if r.config.token else "no auth"
-    pull = f"; pulling jobs from namespace {r.config.namespace!r}" if r.puller is not None else ""
+    names = ", ".join(repr(lane.namespace) for lane in r.lanes)
+    pull = ""
+    if r.puller is not None:
+        pull = f"; pulling jobs from namespace{'s' if len(r.lanes) > 1 else ''} {names}"
     if r.http is not None:
         pull += f"; http {r.http.scheme}://{_hostport(r.config.host, r.http.port)}"
     return (

@@ -18,6 +18,11 @@ is rejected (`validation.rollout_stream`); a job that keeps failing for a reason
 so its admission slot is released. A consumer group that vanished (Redis flushed, or replaced by one
 without the AOF) is recreated. `supervise()` restarts `run()` with backoff after any other error, and
 `failure()` says why the replica cannot pull right now (its health turns NOT_SERVING meanwhile).
+
+A replica serving several namespaces (several LoRA runs, `--lora-namespaces`) runs one puller per
+namespace, each with its own keys, reads and heartbeat; they share the replica's `pull_concurrency`
+through one `slots.JobSlots` (taken in turn: no run starves another). Without `slots` a puller keeps
+`concurrency` jobs of its own, as a single-namespace replica always has.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from ..generation import validation
 from ..grpc_api.errors import InvalidArgument
 from ..metrics import Metrics
 from .publisher import PublishTimeout, RolloutPublisher
+from .slots import IDLE_WANT, JobSlots
 
 log = logging.getLogger("maskroll.puller")
 
@@ -85,6 +91,7 @@ class PromptPuller:
         replica_info: Callable[[], dict] | None = None,
         metrics: Metrics | None = None,
         max_deliveries: int = 10,
+        slots: JobSlots | None = None,
     ) -> None:
         self.metrics = metrics or publisher.metrics
         self.redis, self.keys, self.consumer = redis, keys, consumer
@@ -93,6 +100,10 @@ class PromptPuller:
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.replica_info = replica_info or (lambda: {})
         self.max_deliveries = max_deliveries
+        self.slots = slots  # shared with the other namespaces' pullers; None: `concurrency` of its own
+        self._active = 0  # len(self._jobs.active) as last heard (_on_active)
+        self._started = 0  # jobs started so far: how many of a reservation the last read filled
+        self._idle = False  # the last read found nothing: ask the shared slots for one only
         self._jobs = GroupConsumer(
             redis,
             keys,
@@ -103,7 +114,7 @@ class PromptPuller:
             claim_idle_s=claim_idle_s,
             min_reclaim_every_s=0.5,
             call=self._redis,  # timed: failure()
-            on_active=self.metrics.jobs_active.set,
+            on_active=self._on_active,
         )
         # for messages: the prompt stream, or "<first> … <last>" of several partitions
         parts = keys.parts
@@ -151,35 +162,78 @@ class PromptPuller:
         self._jobs.next_reclaim = 0.0  # a (re)start reclaims at once
         try:
             while not self._stopping.is_set():
+                if self.slots is not None:
+                    await self._take_shared()
+                    continue
                 free = self.concurrency - len(self._jobs.active)
                 if free <= 0:
                     await asyncio.sleep(0.05)
                     continue
-                try:
-                    self.metrics.jobs_reclaimed.inc(await self._jobs.take(free))
-                    if self._problem:
-                        log.info("prompt stream %s readable again", self._streams)
-                    self._problem = None
-                except REDIS_DOWN as e:
-                    # The client already retried with backoff; keep trying: the replica recovers
-                    # when Redis returns, and running jobs go on meanwhile.
-                    self._problem = redact(f"the prompt stream {self._streams} is unreachable: {e}")
-                    log.warning("%s; retrying", self._problem)
-                    await asyncio.sleep(1.0)
-                except ResponseError as e:
-                    if "NOGROUP" not in str(e):
-                        raise
-                    # Redis lost the group (FLUSHALL, or a new Redis without the AOF): the jobs it held
-                    # are gone with it; recreate it and read what comes next.
-                    log.warning(
-                        "consumer group %r on %s is gone (Redis flushed or replaced?); recreating it",
-                        REPLICA_GROUP,
-                        self._streams,
-                    )
-                    await self._ensure_groups()
+                await self._take(free)
         finally:
             beat.cancel()
             await asyncio.gather(beat, return_exceptions=True)
+
+    async def _take_shared(self) -> None:
+        """One turn on the shared slots: reserve (waiting for a free slot and this puller's turn, or
+        stop()), read at most that many jobs, give back what the read did not fill."""
+        reserving = asyncio.ensure_future(self.slots.reserve(IDLE_WANT if self._idle else self.slots.total))
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((reserving, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not reserving.done():
+                reserving.cancel()  # reserve() gives back a grant made meanwhile
+            await asyncio.gather(reserving, stopping, return_exceptions=True)
+        if reserving.cancelled() or reserving.exception() is not None:
+            return  # stopping
+        granted, before = reserving.result(), self._started
+        try:
+            await self._take(granted)
+        finally:
+            started = self._started - before
+            self.slots.give_back(granted - started)
+            self._idle = started == 0
+
+    async def _take(self, free: int) -> None:
+        """Start at most `free` jobs (reclaimed or new). Redis away and a lost consumer group are dealt
+        with here (said, retried); anything else propagates and supervise() restarts run()."""
+        try:
+            self.metrics.jobs_reclaimed.inc(await self._jobs.take(free))
+            if self._problem:
+                log.info("prompt stream %s readable again", self._streams)
+            self._problem = None
+        except REDIS_DOWN as e:
+            # The client already retried with backoff; keep trying: the replica recovers when Redis
+            # returns, and running jobs go on meanwhile.
+            self._problem = redact(f"the prompt stream {self._streams} is unreachable: {e}")
+            log.warning("%s; retrying", self._problem)
+            await asyncio.sleep(1.0)
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            # Redis lost the group (FLUSHALL, or a new Redis without the AOF): the jobs it held are gone
+            # with it; recreate it and read what comes next.
+            log.warning(
+                "consumer group %r on %s is gone (Redis flushed or replaced?); recreating it",
+                REPLICA_GROUP,
+                self._streams,
+            )
+            await self._ensure_groups()
+
+    def _on_active(self, n: int) -> None:
+        """The GroupConsumer's count of running jobs changed (one started, or one ended)."""
+        delta, self._active = n - self._active, n
+        if self.slots is None:
+            self.metrics.jobs_active.set(n)
+            return
+        for _ in range(max(delta, 0)):
+            self._started += 1
+            self.slots.job_started()
+        for _ in range(max(-delta, 0)):
+            self.slots.job_ended()
+        self.metrics.jobs_active.set(self.slots.running)  # every namespace's jobs
 
     async def _ensure_groups(self) -> None:
         for part in self.keys.parts:

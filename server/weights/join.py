@@ -17,6 +17,12 @@ the trainer would refuse as stale anyway, wasting the samples):
 
 If neither works (no weights root, a refused checkpoint, no push in time) the replica starts on its
 own weights and says so in its log; the trainer's next publish brings it up to date.
+
+A replica serving several namespaces (`--lora-namespaces`) joins each one's run (server/app.py runs the
+joins side by side): "current" is then what that namespace is served (`Lane.served`: its run's current
+adapter), and a streamed run's wait registers that namespace's heartbeat, which its trainer's follower
+finds. An adapter run's version only ever comes by push (a directory checkpoint would be full weights:
+the replica refuses them, said in the log, and starts that namespace on the base).
 """
 
 from __future__ import annotations
@@ -28,7 +34,6 @@ import time
 
 from maskroll.proto.records import WeightsUpdate
 from maskroll.proto.run_record import RunInfo, read_run
-from maskroll.proto.streams import StreamKeys
 
 from ..grpc_api.errors import ServiceError
 from . import checkpoints as weights
@@ -43,34 +48,37 @@ COLLECTIVE_RECORD = "collective"
 POLL_S = 0.2
 
 
-def _current(servicer, run: RunInfo) -> bool:
-    run_id, version = servicer.weights_served
+def _current(served: tuple[str, int], run: RunInfo) -> bool:
+    run_id, version = served
     return run_id == run.run_id and version >= run.version
 
 
-async def join_current_version(replica) -> None:
-    """Bring `replica` (an app.Replica, its puller not started yet) to its run's current version."""
+async def join_current_version(replica, lane=None) -> None:
+    """Bring `replica` (an app.Replica, its puller not started yet) to its run's current version: the run
+    of `lane` (an app lane: one namespace it serves; default --namespace's)."""
     if replica.redis is None:
         return
-    keys = replica.keys or StreamKeys(replica.config.namespace)  # the layout app.py detected
+    lane = lane if lane is not None else replica.lanes[0]
+    keys = lane.keys  # the layout app.py detected
     run = await read_run(replica.redis, keys)
-    if run is None or not run.checkpoint or _current(replica.servicer, run):
+    if run is None or not run.checkpoint or _current(lane.served(replica.servicer), run):
         return  # no run, or nothing published: the replica's --model is what the run starts from
     if run.checkpoint == STREAM_RECORD:
-        await _wait_for_push(replica, keys, run)
+        await _wait_for_push(replica, lane, run)
     elif run.checkpoint == COLLECTIVE_RECORD:
         log.warning(
-            "weights: run %s is at version %d, broadcast over NCCL to a group this replica is not in; it "
-            "starts on version 0 until its trainer forms a new group with it or pushes the weights",
+            "weights: run %s%s is at version %d, broadcast over NCCL to a group this replica is not in; "
+            "it starts on version 0 until its trainer forms a new group with it or pushes the weights",
             run.run_id,
+            lane.label,
             run.version,
         )
     else:
-        await _load_directory(replica, run)
+        await _load_directory(replica, lane, run)
 
 
-async def _load_directory(replica, run: RunInfo) -> None:
-    where = f"version {run.version} of run {run.run_id} from {run.checkpoint}"
+async def _load_directory(replica, lane, run: RunInfo) -> None:
+    where = f"version {run.version} of run {run.run_id}{lane.label} from {run.checkpoint}"
     try:
         path = weights.resolve_checkpoint(run.checkpoint, replica.config.weights_root)
         update = WeightsUpdate(version=run.version, checkpoint_dir=run.checkpoint, run_id=run.run_id)
@@ -81,41 +89,48 @@ async def _load_directory(replica, run: RunInfo) -> None:
     log.info("weights: joined at %s in %.2f s", where, result.load_seconds)
 
 
-async def _wait_for_push(replica, keys: StreamKeys, run: RunInfo) -> None:
-    if replica.puller is None:
+async def _wait_for_push(replica, lane, run: RunInfo) -> None:
+    if lane.puller is None:
         log.warning(
-            "weights: run %s is at version %d, pushed by its trainer to registered replicas; this replica "
-            "does not pull jobs, so it is not registered: it starts on version 0",
+            "weights: run %s%s is at version %d, pushed by its trainer to registered replicas; this "
+            "replica does not pull jobs, so it is not registered: it starts on version 0",
             run.run_id,
+            lane.label,
             run.version,
         )
         return
     timeout = replica.config.join_timeout_s
     log.info(
-        "weights: run %s is at version %d (streamed); registered, waiting up to %.0f s for its push",
+        "weights: run %s%s is at version %d (streamed); registered, waiting up to %.0f s for its push",
         run.run_id,
+        lane.label,
         run.version,
         timeout,
     )
     # The puller's heartbeat alone (no job is taken): the trainer's publisher finds replicas by it.
-    beat = asyncio.create_task(replica.puller._heartbeat(), name="join-heartbeat")
+    beat = asyncio.create_task(lane.puller._heartbeat(), name=f"join-heartbeat-{lane.namespace}")
     t0 = time.monotonic()
     try:
-        while not _current(replica.servicer, run):
+        # A new run of the namespace meanwhile (its record names another run id) is simply the run to
+        # wait for: its first push replaces the old run's adapters (the AdapterTable's rule), nothing
+        # here holds on to the old run.
+        while not _current(lane.served(replica.servicer), run):
             if time.monotonic() - t0 > timeout:
                 log.warning(
-                    "weights: no push of version %d of run %s within %.0f s; starting on version %d",
+                    "weights: no push of version %d of run %s%s within %.0f s; starting on version %d",
                     run.version,
                     run.run_id,
+                    lane.label,
                     timeout,
-                    replica.servicer.weights_served[1],
+                    lane.served(replica.servicer)[1],
                 )
                 return
             await asyncio.sleep(POLL_S)
-            run = await read_run(replica.redis, keys) or run  # a newer version, or a new run, meanwhile
+            run = await read_run(replica.redis, lane.keys) or run  # a newer version, or a new run
         log.info(
-            "weights: joined run %s at version %d after %.1f s",
+            "weights: joined run %s%s at version %d after %.1f s",
             run.run_id,
+            lane.label,
             run.version,
             time.monotonic() - t0,
         )
