@@ -24,6 +24,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "asynchronous RL end to end: Redis, two replicas, a trainer with predictive masks (a few minutes)",
         "maskroll.app.demo:main",
     ),
+    "export-model": (
+        "a run's saved version as a Hugging Face model (--merge: LoRA adapter merged) or a PEFT adapter",
+        "maskroll.app.export:main",
+    ),
     "healthcheck": (
         "ask a replica's gRPC health service; exit 0 if SERVING (container and Kubernetes probes)",
         "maskroll.server.healthcheck:main",

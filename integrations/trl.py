@@ -29,9 +29,16 @@ What changes under TRL's training loop:
   batch's (`policy_loss(world=...)`), so W ranks take the step one process takes on the same records
   (`trl_ranks.py`; docs/integrations.md "Several processes").
 
+- **LoRA** (`peft_config=LoraConfig(...)`: TRL wraps the model with PEFT; or a PeftModel as the model):
+  only the adapter trains; each version reaches the replicas as the adapter alone (the stream transport:
+  `StreamPublisher` publishes a PEFT model's adapter, with the base's fingerprint; the replicas, started
+  with `--max-lora-rank`, apply it on their base). The KL-to-reference term's reference is the base
+  (adapters disabled), or TRL's frozen "ref" copy of a pretrained adapter. What the replicas cannot apply
+  (DoRA, rsLoRA, modules_to_save, ...) is refused at construction (`weight_sync.lora`).
+
 Options whose meaning maskroll replaces or cannot honour are refused by name at construction
-(`UnsupportedOption`; the config and the refusals are `trl_options.py`), never ignored. No PEFT adapters,
-no DeepSpeed or FSDP through accelerate (DDP only).
+(`UnsupportedOption`; the config and the refusals are `trl_options.py`), never ignored. No DeepSpeed or
+FSDP through accelerate (DDP only).
 """
 
 from __future__ import annotations
@@ -57,11 +64,12 @@ from maskroll.trainer_adapter import (
 )
 from maskroll.trainer_adapter.distributed import single_process
 from maskroll.weight_sync import Publisher, make_publisher, read_trained, write_trained
+from maskroll.weight_sync import lora as _lora
 
 from . import trl_ranks
 from .rollouts import GrpcSource, Job, QueueSource, _Source
 from .trl_maths import completion_logits, maskroll_loss, split_rows, trl_advantages
-from .trl_options import _CTOR_REFUSED, LOSS_TYPES, MaskrollConfig, UnsupportedOption, refusals
+from .trl_options import LOSS_TYPES, MaskrollConfig, UnsupportedOption, peft_refusals, refusals
 
 with warnings.catch_warnings():
     # TRL warns at import about the vLLM version installed next to it; generation never uses TRL's vLLM.
@@ -71,7 +79,7 @@ with warnings.catch_warnings():
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     from trl.data_utils import is_conversational
-    from trl.trainer.utils import nanstd, shuffle_sequence_dict
+    from trl.trainer.utils import nanstd, shuffle_sequence_dict, use_adapter
 
 log = logging.getLogger("maskroll.integrations.trl")
 
@@ -180,13 +188,12 @@ class MaskrollGRPOTrainer(GRPOTrainer):
     ) -> None:
         if not isinstance(maskroll, MaskrollConfig):
             raise TypeError(f"maskroll must be a MaskrollConfig, got {type(maskroll).__name__}")
-        ctor = dict(peft_config=peft_config, tools=tools, rollout_func=rollout_func)
+        ctor = dict(tools=tools, rollout_func=rollout_func)
         problems = refusals(args, maskroll.mask, environment_factory=environment_factory, **ctor)
-        if not isinstance(model, str):
-            from accelerate.utils import is_peft_model
+        from accelerate.utils import is_peft_model
 
-            if is_peft_model(model):
-                problems.append(f"model: a PeftModel; {_CTOR_REFUSED['peft_config']}")
+        wrapped = not isinstance(model, str) and is_peft_model(model)
+        problems += peft_refusals(peft_config, maskroll, peft_model=wrapped)
         if problems:
             raise UnsupportedOption("MaskrollGRPOTrainer does not support: " + "; ".join(problems))
         self.maskroll = maskroll
@@ -203,9 +210,10 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             reward_processing_classes=reward_processing_classes,
             callbacks=callbacks,
             optimizers=optimizers,
+            peft_config=peft_config,
             **kwargs,
         )
-        late = self._rank_refusals()
+        late = self._rank_refusals() + self._lora_refusals()
         if self.aux_loss_enabled:
             late.append("router_aux_loss_coef: the MoE load-balancing loss is not part of maskroll's loss")
         if late:
@@ -253,6 +261,23 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             self._has_room,
         )
         self.add_callback(_AfterStep(self))
+
+    def _lora_refusals(self) -> list[str]:
+        """What the replicas could not apply of the PEFT model TRL wrapped (or was given): checked now, on
+        the model, rather than refused by every replica at the first publish."""
+        from accelerate.utils import is_peft_model
+
+        model = self.accelerator.unwrap_model(self.model)
+        if not is_peft_model(model):
+            return []
+        if not _lora.is_lora(model):
+            kind = type(model.peft_config.get(_lora.ADAPTER)).__name__
+            return [f"a PeftModel whose adapter {_lora.ADAPTER!r} is a {kind}: the replicas apply LoRA only"]
+        try:
+            _lora.adapter_of(model, fingerprint="")  # its checks; the base's fingerprint comes at publish
+        except _lora.LoraUnsupported as e:
+            return [f"peft_config: {e}"]
+        return []
 
     def _rank_refusals(self) -> list[str]:
         """Why these processes cannot train together (empty: one process, or DDP as supported)."""
@@ -543,10 +568,19 @@ class MaskrollGRPOTrainer(GRPOTrainer):
     @torch.no_grad()
     def _ref_logprobs(self, batch: dict[str, Tensor]) -> Tensor:  # [B, T]
         chunk = self.args.per_device_train_batch_size
+        if self.ref_model is not None:
+            reference, context = self.ref_model, contextlib.nullcontext
+        else:
+            # a PEFT model (TRL keeps no ref_model then): the base, adapters disabled, or TRL's frozen
+            # "ref" copy of an adapter that was pretrained (TRL's own choice, _generate_and_score_completions)
+            peft_model = self.accelerator.unwrap_model(self.model)
+            ref = "ref" if "ref" in peft_model.peft_config else None
+            reference, context = self.model, lambda: use_adapter(peft_model, adapter_name=ref)
         parts = []
         for s in range(0, batch["input_ids"].shape[0], chunk):
             part = {k: v[s : s + chunk] for k, v in batch.items() if v.dim() > 0}
-            logits = completion_logits(self.ref_model, part)
+            with context():
+                logits = completion_logits(reference, part)
             parts.append(
                 token_logprobs(
                     logits,

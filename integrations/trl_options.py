@@ -156,11 +156,37 @@ _MUST_BE_DEFAULT = {
     "max_tool_calling_iterations": "tool calling is not supported",
 }
 _CTOR_REFUSED = {
-    "peft_config": "replicas load full Hugging Face state dicts; merge the adapter or train the full model",
     "tools": "tool calling is not supported",
     "rollout_func": "generation is maskroll's (MaskrollConfig)",
     "environment_factory": "environments are not supported",
 }
+
+
+def _peft_kind(peft_config: Any) -> str:
+    kind = getattr(peft_config, "peft_type", None)
+    return str(getattr(kind, "value", kind))  # PeftType is a str Enum: its value, "LORA"
+
+
+def peft_refusals(peft_config: Any, config: MaskrollConfig, *, peft_model: bool = False) -> list[str]:
+    """Why a LoRA run — `peft_config` given (TRL wraps the model) or a PeftModel as the model — cannot train
+    with `config` (empty: it can). The replicas apply LoRA adapters on their base, sent by PushWeights;
+    which LoRA options they apply is checked on the wrapped model (`weight_sync.lora.adapter_of`)."""
+    if peft_config is None and not peft_model:
+        return []
+    out = []
+    kind = _peft_kind(peft_config)
+    if peft_config is not None and kind != "LORA":
+        out.append(
+            f"peft_config: a {type(peft_config).__name__} (peft_type {kind}); the replicas apply LoRA "
+            "adapters only (peft.LoraConfig)"
+        )
+    if config.weight_transport != "stream":
+        what = "peft_config" if peft_config is not None else "model: a PeftModel"
+        out.append(
+            f"{what} with weight_transport={config.weight_transport!r}: an adapter reaches the replicas by "
+            "PushWeights only (the stream transport: redis_url and weight_transport='stream')"
+        )
+    return out
 
 
 def refusals(args: GRPOConfig | None, mask: MaskConfig, **ctor: Any) -> list[str]:
