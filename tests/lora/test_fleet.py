@@ -185,6 +185,11 @@ def _heartbeat(url: str, namespace: str | StreamKeys, replica_id: str) -> dict:
     return json.loads(raw)
 
 
+def _served_by_heartbeat(url: str, namespace: str, replica_id: str) -> tuple[str, int]:
+    beat = _heartbeat(url, namespace, replica_id)
+    return beat["run_id"], beat["policy_version"]
+
+
 @pytest.fixture(scope="module")
 def fleet(model_dir, redis_url, tmp_path_factory):
     """Two replicas serving both namespaces, and a trainer per run at version 0 (pushed to both)."""
@@ -240,11 +245,14 @@ def test_two_runs_on_two_replicas_each_sample_with_their_own_adapter(fleet):
         _check_records(got, trainer, other, rescorer)
     both = Counter(r.replica_id for rs in records.values() for r in rs)
     assert set(both) == {"rep-1", "rep-2"}, both  # the same two replicas served both runs
-    # each namespace's registry heartbeat reports the run and version it is served
-    for name in ("rep-1", "rep-2"):
+    # each namespace's registry heartbeat reports the run and version it is served (heartbeats are
+    # periodic: read until the latest one says so, or show what the replica serves)
+    for name, rep in fleet["replicas"].items():
         for ns, trainer in ((NS_A, a), (NS_B, b)):
-            beat = _heartbeat(fleet["redis_url"], ns, name)
-            assert (beat["run_id"], beat["policy_version"]) == (trainer.run_id, 1)
+            deadline = time.monotonic() + 15
+            while (got := _served_by_heartbeat(fleet["redis_url"], ns, name)) != (trainer.run_id, 1):
+                assert time.monotonic() < deadline, (name, ns, got, _info(rep.address).adapters)
+                time.sleep(0.2)
 
 
 def test_a_replica_started_mid_run_joins_each_namespace_at_its_current_adapter(fleet, model_dir, redis_url):
