@@ -16,7 +16,7 @@ import pytest
 import torch
 from fake_engine import FakeEngine
 from grpc_fixtures import ServerLoop, replica, server_config, start_torch_engine, wait_until
-from push_helpers import messages, push
+from push_helpers import messages, push, spool_at
 
 from maskroll.client import RolloutClient, RolloutError, SamplingOptions
 from maskroll.proto import wire
@@ -242,18 +242,8 @@ def test_full_weights_replace_the_base_and_end_every_adapter(fake_replica, adapt
 @pytest.fixture(scope="module")
 def spool(tmp_path_factory):
     """Where a full-weight push to the fake engine is written (it loads files, not tensors)."""
-    import os
-
-    from maskroll.server.weights.receive import SPOOL_ENV
-
-    path = tmp_path_factory.mktemp("spool")
-    old = os.environ.get(SPOOL_ENV)
-    os.environ[SPOOL_ENV] = str(path)
-    yield path
-    if old is None:
-        del os.environ[SPOOL_ENV]
-    else:
-        os.environ[SPOOL_ENV] = old
+    with spool_at(tmp_path_factory.mktemp("spool")) as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ for folder in (HERE, HERE.parent / "server"):  # lora_helpers; vllm_fixtures, gr
 
 import torch  # noqa: E402
 from lora_helpers import base_state_dict, merged_state_dict, random_adapter  # noqa: E402
+from push_helpers import spool_at  # noqa: E402
 from vllm_fixtures import HAS_VLLM, LORA_RANK, MAX_LORAS, server_loop, vllm_engine  # noqa: E402, F401
 
 from maskroll.proto.tensor_push import LORA_A, LORA_B  # noqa: E402
@@ -245,18 +246,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def spool(tmp_path_factory) -> Path:
     """The replica's private spool (the engine runs in this process, so the variable applies)."""
-    import os
-
-    from maskroll.server.weights.receive import SPOOL_ENV
-
-    path = tmp_path_factory.mktemp("spool")
-    old = os.environ.get(SPOOL_ENV)
-    os.environ[SPOOL_ENV] = str(path)
-    yield path
-    if old is None:
-        del os.environ[SPOOL_ENV]
-    else:
-        os.environ[SPOOL_ENV] = old
+    with spool_at(tmp_path_factory.mktemp("spool")) as path:
+        yield path
 
 
 @pytest.fixture

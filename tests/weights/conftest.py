@@ -16,6 +16,7 @@ sys.path.insert(0, str(HERE.parent / "server"))
 sys.path.insert(0, str(HERE.parent / "queue"))
 
 from grpc_fixtures import ServerLoop, replica, server_config, start_torch_engine  # noqa: E402
+from push_helpers import spool_at  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -46,18 +47,8 @@ def loop():
 @pytest.fixture(scope="module")
 def spool(tmp_path_factory):
     """Where pushed weights are received (the replica runs in this process, so the env applies)."""
-    import os
-
-    from maskroll.server.weights.receive import SPOOL_ENV
-
-    path = tmp_path_factory.mktemp("spool")
-    old = os.environ.get(SPOOL_ENV)
-    os.environ[SPOOL_ENV] = str(path)
-    yield path
-    if old is None:
-        del os.environ[SPOOL_ENV]
-    else:
-        os.environ[SPOOL_ENV] = old
+    with spool_at(tmp_path_factory.mktemp("spool")) as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

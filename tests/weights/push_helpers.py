@@ -4,6 +4,9 @@ messages a test controls (to corrupt, reorder or cut them)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -12,6 +15,23 @@ from maskroll.client import RolloutClient, RolloutError
 from maskroll.proto import wire
 from maskroll.proto._generated import rollout_pb2_grpc as pb_grpc
 from maskroll.weight_sync.stream import chunks_of, manifest_of
+
+
+@contextlib.contextmanager
+def spool_at(path: Path) -> Iterator[Path]:
+    """Pushed weights received under `path` while the block runs (the replica's spool variable; the
+    replicas of these tests run in the test process, so the environment applies), restored after."""
+    from maskroll.server.weights.receive import SPOOL_ENV
+
+    old = os.environ.get(SPOOL_ENV)
+    os.environ[SPOOL_ENV] = str(path)
+    try:
+        yield path
+    finally:
+        if old is None:
+            del os.environ[SPOOL_ENV]
+        else:
+            os.environ[SPOOL_ENV] = old
 
 
 def state_dict(checkpoint: Path) -> dict:
