@@ -251,25 +251,40 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if manifest.adapter is not None:
             return wire.update_result_to_pb(await self._push_adapter(manifest, request_iterator, context))
         update = WeightsUpdate(version=manifest.version, checkpoint_dir="(push)", run_id=manifest.run_id)
+
+        def check() -> None:
+            self._check_full_weights()
+            self._check_version(update)
+
+        source = await self._receive_push(
+            update, manifest, request_iterator, context, check,
+            weight_sources.receive(self._engine, manifest, request_iterator),
+        )  # fmt: skip
+        return wire.update_result_to_pb(await self._run_update(update, source))
+
+    async def _receive_push(self, update, manifest, request_iterator, context, check, receiving_bytes):
+        """The receiving half both kinds of push share: the run id, the drain and `check()` (the push's
+        own rules, on the manifest) before any byte is received, then `receiving_bytes` (a coroutine)
+        awaited. A refusal is logged and the rest of the call drained (the client's send finishes and
+        reads the status). When the client goes away (a deadline, a dropped connection) the request
+        iterator may wait on: the receiving task is ended then, so nothing partial is kept."""
         try:
             validation.check_run_id(update.run_id)
             if self._running.draining:
                 raise Unavailable("the server is draining")
-            self._check_full_weights()
-            self._check_version(update)
-            # When the client goes away (a deadline, a dropped connection) the request iterator may
-            # wait on: end the receiving task then, so the partial file goes at once.
+            check()
             receiving = asyncio.current_task()
             context.add_done_callback(lambda _: receiving is not None and receiving.cancel())
             try:
-                source = await weight_sources.receive(self._engine, manifest, request_iterator)
+                return await receiving_bytes
             finally:
                 receiving = None
         except ServiceError as exc:
             _log_refused(update, exc)
             await weight_stream.drain(request_iterator, manifest.total_bytes)
             raise
-        return wire.update_result_to_pb(await self._run_update(update, source))
+        finally:
+            receiving_bytes.close()  # never awaited when a check refused the push first
 
     async def _push_adapter(self, manifest, request_iterator, context) -> WeightsUpdateResult:
         """A LoRA adapter's push: its rules checked on the manifest before any byte arrives
@@ -279,21 +294,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         update = WeightsUpdate(
             version=manifest.version, checkpoint_dir="(adapter push)", run_id=manifest.run_id
         )
-        try:
-            validation.check_run_id(update.run_id)
-            if self._running.draining:
-                raise Unavailable("the server is draining")
-            self.adapters.check_manifest(manifest)
-            receiving = asyncio.current_task()
-            context.add_done_callback(lambda _: receiving is not None and receiving.cancel())
-            try:
-                tensors = await weight_stream.receive_tensors(manifest, request_iterator)
-            finally:
-                receiving = None
-        except ServiceError as exc:
-            _log_refused(update, exc)
-            await weight_stream.drain(request_iterator, manifest.total_bytes)
-            raise
+        tensors = await self._receive_push(
+            update, manifest, request_iterator, context,
+            lambda: self.adapters.check_manifest(manifest),
+            weight_stream.receive_tensors(manifest, request_iterator),
+        )  # fmt: skip
         task = asyncio.ensure_future(self._load_adapter(update, manifest, tensors))
         self._updates.add(task)
         task.add_done_callback(self._update_done)
