@@ -22,7 +22,7 @@ from typing import Any
 from maskroll.trainer_adapter.config import MaskConfig
 
 from .config import GRPOConfig, LoraConfig
-from .launch import run_ranks
+from .launch import exit_rank, run_ranks
 
 TASKS = ("digits", "arithmetic")  # train(task=...) by name: a task object does not cross processes
 PATHS = ("model_dir", "weights_root", "final_dir")  # train() arguments that are paths
@@ -102,4 +102,4 @@ def train_ranks(
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_rank(main())  # launch.exit_rank says why a rank does not return through the interpreter's exit

@@ -31,7 +31,7 @@ from . import digits
 from .config import GRPOConfig
 from .grpo import StepLog, evaluate, grpc_auth, progress, wait_for_replicas
 from .grpo_launch import read_config, write_config
-from .launch import run_ranks
+from .launch import exit_rank, run_ranks
 
 # TRL log key → StepLog field (the `maskroll/*` keys are MaskrollGRPOTrainer's)
 LOG_KEYS = {
@@ -229,4 +229,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_rank(main())  # launch.exit_rank says why a rank does not return through the interpreter's exit

@@ -163,4 +163,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from maskroll.recipes.launch import exit_rank
+
     main()
+    exit_rank(0)  # launch.exit_rank: a DDP rank does not return through the interpreter's exit

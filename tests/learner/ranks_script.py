@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from maskroll.recipes import grpo_launch
+from maskroll.recipes.launch import exit_rank
 
 TRACE = Path(os.environ["LEARNER_TRACE"])
 KILL = os.environ.get("LEARNER_KILL", "")
@@ -28,4 +29,4 @@ def hook(event) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(grpo_launch.main(sys.argv[1:], step_hook=hook))
+    exit_rank(grpo_launch.main(sys.argv[1:], step_hook=hook))

@@ -4,6 +4,7 @@ command the demo and tests run the ranks with. The demo end to end on 2 ranks is
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 
 import pytest
@@ -43,3 +44,19 @@ def test_torchrun_command():
     assert torchrun_command(2, "/x/ranks_script.py")[-1] == "/x/ranks_script.py"  # a script, not -m
     with pytest.raises(ValueError, match="ranks=0"):
         torchrun_command(0, "m")
+
+
+def test_exit_rank_flushes_its_output_and_exits_with_the_code():
+    # a rank skips the interpreter's shutdown (launch.exit_rank says why): what it printed, buffered in
+    # a pipe, and its logging still come out, and the exit code is the one given
+    script = (
+        "import atexit, logging, sys\n"
+        "from maskroll.recipes.launch import exit_rank\n"
+        "atexit.register(lambda: print('atexit ran'))\n"
+        "logging.basicConfig(stream=sys.stderr, format='%(message)s')\n"
+        "print('summary written', end='')\n"
+        "logging.getLogger('x').warning('a warning')\n"
+        "exit_rank(3)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr.strip()) == (3, "summary written", "a warning")
