@@ -92,6 +92,29 @@ async def run_inprocess(engine, n: int, tokens: int, k: int) -> dict:
     }
 
 
+async def run_pipeline(pipeline, n: int, tokens: int, k: int) -> int:
+    """R requests through the replica's serving pipeline without gRPC (`Pipeline.prepare(...).stream()`,
+    each chunk made a protobuf message and serialised, as the servicer and gRPC do); the tokens made."""
+    import contextlib
+
+    import numpy as np
+
+    from maskroll.proto.records import SamplingOptions
+    from maskroll.proto.wire import chunk_to_pb
+
+    async def one(i: int, prompt: list[int]) -> int:
+        options = SamplingOptions(max_tokens=tokens, temperature=1.0, logprobs_k=k, seed=i, ignore_eos=True)
+        gen = pipeline.prepare(np.asarray(prompt, np.int32), options)
+        made = 0
+        async with contextlib.aclosing(gen.stream()) as chunks:
+            async for c in chunks:
+                made += len(c.token_ids)
+                chunk_to_pb(c).SerializeToString()
+        return made
+
+    return sum(await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts(n))]))
+
+
 def openai_logprobs_json(chunks, vocab: list[tuple[str, list[int]]]) -> int:
     """Bytes of the OpenAI `logprobs.content` entries for the chunks' tokens (compact JSON)."""
 
@@ -300,6 +323,7 @@ async def bench_scripted(args: argparse.Namespace) -> dict:
     of the first subtracted from the second's."""
     from maskroll.server.app import start
     from maskroll.server.config import ServerConfig
+    from maskroll.server.generation.pipeline import Pipeline
 
     n, t, kmax = args.requests, args.tokens, args.k
     load_start = common.load_1m()
@@ -312,14 +336,19 @@ async def bench_scripted(args: argparse.Namespace) -> dict:
             model=Path(tmp), port=0, max_logprobs=kmax, replica_id="bench", **args.server_settings
         )
         replica = await start(config, engine)
+        pipeline = Pipeline(engine, config)  # the replica's rules and chunking, without gRPC
         try:
             for rep in range(args.reps):
                 for k in (0, kmax):
                     cpu0 = time.process_time()
                     await run_inprocess(engine, n, t, k)
                     inproc = time.process_time() - cpu0
+                    cpu0 = time.process_time()
+                    await run_pipeline(pipeline, n, t, k)
+                    piped = time.process_time() - cpu0
                     row = await asyncio.to_thread(run_grpc_subprocess, replica.address, None, n, t, k)
-                    runs.append({"rep": rep, "k": k, "inprocess_cpu_s": inproc, **row})
+                    cpu = {"inprocess_cpu_s": inproc, "pipeline_cpu_s": piped}
+                    runs.append({"rep": rep, "k": k, **cpu, **row})
         finally:
             await replica.drain(timeout_s=0)
             await engine.close()
@@ -329,6 +358,13 @@ async def bench_scripted(args: argparse.Namespace) -> dict:
         grpc = [r["server_cpu_s"] / r["tokens"] for r in rows]
         inproc = [r["inprocess_cpu_s"] / r["tokens"] for r in rows]
         serving = [1e6 * (g - e) for g, e in zip(grpc, inproc, strict=True)]
+        # The serving path in two layers: maskroll's pipeline (pipeline run less in-process: validation,
+        # chunks, records, protobuf) and gRPC's own (gRPC run less pipeline run: RPCs, messages, the wire).
+        piped = [r["pipeline_cpu_s"] / r["tokens"] for r in rows]
+        layers = {
+            "pipeline": [1e6 * (q - e) for q, e in zip(piped, inproc, strict=True)],
+            "grpc_layer": [1e6 * (g - q) for g, q in zip(grpc, piped, strict=True)],
+        }
         out[f"k{k}"] = {
             # The median over the repetitions of back-to-back differences: the serving path's own CPU
             # per token (load drifts slowly, so pairing cancels most of what it adds to both).
@@ -336,6 +372,10 @@ async def bench_scripted(args: argparse.Namespace) -> dict:
                 1e6 * statistics.median(g - e for g, e in zip(grpc, inproc, strict=True)), 1
             ),
             "serving_cpu_us_per_token_range": {s: round(v, 1) for s, v in common.spread(serving).items()},
+            **{
+                f"{name}_cpu_us_per_token_range": {s: round(v, 1) for s, v in common.spread(xs).items()}
+                for name, xs in layers.items()
+            },
             "engine_cpu_us_per_token": round(1e6 * statistics.median(inproc), 1),
             "client_cpu_us_per_token": round(
                 1e6 * statistics.median(r["client_cpu_s"] / r["tokens"] for r in rows), 1
@@ -359,7 +399,9 @@ def scripted_summary(r: dict) -> str:
         f"serving CPU per token (scripted engine, {r['requests']} x {r['tokens_per_request']} tokens, "
         f"{r['reps']} reps): K=0 {common.fmt_spread(r['k0']['serving_cpu_us_per_token_range'])} µs, "
         f"K={k} {common.fmt_spread(r[f'k{k}']['serving_cpu_us_per_token_range'])} µs "
-        f"(target <= {TARGET_SERVING_US:.0f} at K={k}); client K={k} "
+        f"(target <= {TARGET_SERVING_US:.0f} at K={k}); of it at K={k}: maskroll's pipeline "
+        f"{common.fmt_spread(r[f'k{k}']['pipeline_cpu_us_per_token_range'])} µs, gRPC "
+        f"{common.fmt_spread(r[f'k{k}']['grpc_layer_cpu_us_per_token_range'])} µs; client K={k} "
         f"{r[f'k{k}']['client_cpu_us_per_token']} µs; {r[f'k{k}']['tokens_per_chunk']} tokens/chunk; "
         f"1-min load {r['load_average_1m'][0]} -> {r['load_average_1m'][1]}"
     )
@@ -372,6 +414,8 @@ def headline(r: dict) -> dict[str, float]:
         return {
             f"serving µs/token K={k}": r[f"k{k}"]["serving_cpu_us_per_token"],
             "serving µs/token K=0": r["k0"]["serving_cpu_us_per_token"],
+            f"pipeline µs/token K={k}": r[f"k{k}"]["pipeline_cpu_us_per_token_range"]["median"],
+            f"gRPC layer µs/token K={k}": r[f"k{k}"]["grpc_layer_cpu_us_per_token_range"]["median"],
             f"client µs/token K={k}": r[f"k{k}"]["client_cpu_us_per_token"],
             f"engine µs/token K={k}": r[f"k{k}"]["engine_cpu_us_per_token"],
         }

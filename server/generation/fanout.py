@@ -3,15 +3,16 @@
 Owns the lifetime of the engine streams: leaving `async with FanOut(...)` — normally, by an error, or
 because the client went away and the handler was cancelled — cancels every stream still running and
 waits for it, which aborts the request in the engine (Engine contract). Each engine output is handed to
-`on_output(index, output)` in the task that read it; that callback `emit`s what the consumer should see
-(by default the output itself), so a caller that gathers several outputs into one item wakes the
-consumer once per item, not once per output. Knows nothing of gRPC or records.
+`on_output(index, output)` (or `sinks[index](output)`) in the task that read it; that callback `emit`s
+what the consumer should see (by default the output itself), so a caller that gathers several outputs
+into one item wakes the consumer once per item, not once per output. Knows nothing of gRPC or records.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -32,6 +33,8 @@ class FanOut:
         self.aborted = False
         # Called in the engine stream's task for each output; it may raise (the request then fails).
         self.on_output: Callable[[int, EngineOutput], None] = self.emit
+        # Or one callback per sample, called with the output alone (one call less per token).
+        self.sinks: list[Callable[[EngineOutput], None]] | None = None
 
     def emit(self, index: int, item: Any) -> None:
         """Hand `item` of sample `index` to the consumer (`items()`), after everything emitted before."""
@@ -53,11 +56,12 @@ class FanOut:
 
     async def _pump(self, index: int, request: EngineRequest) -> None:
         produced = False
+        sink = self.sinks[index] if self.sinks is not None else functools.partial(self.on_output, index)
         try:
             async with contextlib.aclosing(self._engine.generate(request)) as stream:
                 async for out in stream:
                     produced = True
-                    self.on_output(index, out)
+                    sink(out)
         except ValueError as exc:
             # Engines raise ValueError for parameters they cannot serve (vLLM: temperature > 2), and
             # they check before the first token: a refusal of the request, not a server fault.

@@ -10,7 +10,7 @@ bytes as one that asked for `include_record_arrays`. Policy versions are tracked
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -60,43 +60,46 @@ def version_history(
 _I32, _F32 = np.dtype(np.int32), np.dtype(np.float32)
 
 
-def _joined(arrays: list, dtype: np.dtype, t: int, tail: tuple[int, ...]) -> np.ndarray:
-    """One array field of outputs that all have tokens, joined: [t] or [t, *tail] (a single output's
-    array of the right dtype is not copied)."""
-    if not arrays:
-        return np.zeros((0, *tail), dtype)
-    if len(arrays) == 1:
-        return _shaped(np.asarray(arrays[0], dtype), t, tail)
-    # The bytes of C-ordered [t_i, *tail] arrays, joined, are those of their concatenation along axis 0.
-    # np.concatenate costs ~1 µs per input (dtype and shape resolution), several times a small array's
-    # tobytes, and an engine's outputs are mostly of one token: this is the per-chunk cost of a streamed
-    # sample (bench/server.py --scripted). A bytearray keeps the result writable. `is`: numpy's native
-    # dtypes are singletons; anything else (another dtype, a list from a fake engine) is concatenated.
-    try:
-        parts = [x.tobytes() for x in arrays if x.dtype is dtype]
-    except AttributeError:
-        parts = []
-    if len(parts) == len(arrays):
-        return _shaped(np.frombuffer(bytearray().join(parts), dtype), t, tail)
-    return _shaped(np.concatenate(arrays).astype(dtype, copy=False), t, tail)
+def _token_bytes(out: EngineOutput, k: int) -> tuple[int, tuple[bytes, ...]]:
+    """(t, the bytes of its five arrays as int32 / float32, C order) of an output checked against the
+    engine contract (`check_output` raises). Runs once per engine output, while its arrays are fresh in
+    the cache: the serving path's per-token cost (bench/server.py --scripted). The common output — numpy
+    arrays of the contract's dtypes and shapes — costs one shape comparison and five `tobytes`; any other
+    (lists from a fake engine, other dtypes, an empty output built as [0]) is checked and cast."""
+    x = out.token_ids
+    t = len(x)
+    a1, a2, a3, a4 = out.sampled_logprobs, out.sampled_ranks, out.topk_ids, out.topk_logprobs
+    try:  # `is`: numpy's native dtypes are singletons
+        fast = (
+            out.finish_reason in _FINISH_REASONS
+            and (a1.shape, a2.shape, a3.shape, a4.shape) == ((t,), (t,), (t, k), (t, k))
+            and x.dtype is _I32
+            and a1.dtype is _F32
+            and a2.dtype is _I32
+            and a3.dtype is _I32
+            and a4.dtype is _F32
+        )
+    except AttributeError:  # not arrays
+        fast = False
+    if not fast:
+        check_output(out, k)
+        if not t:
+            return 0, (b"",) * 5
+        x, a1, a2 = np.asarray(x, _I32), np.asarray(a1, _F32), np.asarray(a2, _I32)
+        a3, a4 = np.asarray(a3, _I32), np.asarray(a4, _F32)
+    return t, (x.tobytes(), a1.tobytes(), a2.tobytes(), a3.tobytes(), a4.tobytes())
 
 
-def _shaped(a: np.ndarray, t: int, tail: tuple[int, ...]) -> np.ndarray:
-    return a.reshape(t, *tail) if tail else a  # explicit t: -1 cannot be inferred when K = 0
-
-
-def merge(outputs: list[EngineOutput], k: int, version: int) -> EngineOutput:
-    """Consecutive outputs of one policy version (`version`) as one output; outputs without tokens add
-    nothing ([0] and [0, K] both mean "no tokens"). No finish reason: the caller knows the sample's end."""
-    outs = [o for o in outputs if len(o.token_ids)]
-    t = sum([len(o.token_ids) for o in outs])
-    return EngineOutput(
-        token_ids=_joined([o.token_ids for o in outs], _I32, t, ()),
-        sampled_logprobs=_joined([o.sampled_logprobs for o in outs], _F32, t, ()),
-        sampled_ranks=_joined([o.sampled_ranks for o in outs], _I32, t, ()),
-        topk_ids=_joined([o.topk_ids for o in outs], _I32, t, (k,)),
-        topk_logprobs=_joined([o.topk_logprobs for o in outs], _F32, t, (k,)),
-        policy_version=version,
+def _arrays(parts: tuple[list[bytes], ...], t: int, k: int) -> tuple[np.ndarray, ...]:
+    """Each field's parts joined: ids, logprobs, ranks [t]; topk_ids, topk_logprobs [t, K] (writable: a
+    bytearray; explicit t, as -1 cannot be inferred when K = 0)."""
+    ids, lps, rks, tis, tls = (bytearray().join(p) for p in parts)
+    return (
+        np.frombuffer(ids, _I32),
+        np.frombuffer(lps, _F32),
+        np.frombuffer(rks, _I32),
+        np.frombuffer(tis, _I32).reshape(t, k),
+        np.frombuffer(tls, _F32).reshape(t, k),
     )
 
 
@@ -132,49 +135,10 @@ def build_record(
     created_at: float,
 ) -> RolloutRecord:
     """The finished record of one sample from all of its engine outputs, in order."""
-    first, last, changes = version_history(outputs, current_version)
-    tokens = merge(outputs, header.logprobs_k, last)
-    return RolloutRecord(
-        # A job retried on another replica yields the same rollout_ids; without a job id the request
-        # id stands in (unique per request, so no dedup across retries).
-        rollout_id=rollout_id_for(header.job_id or header.request_id, sample_index),
-        request_id=header.request_id,
-        prompt_ids=header.prompt_ids,
-        completion_ids=tokens.token_ids,
-        sampled_logprobs=tokens.sampled_logprobs,
-        sampled_ranks=tokens.sampled_ranks,
-        topk_ids=tokens.topk_ids,
-        topk_logprobs=tokens.topk_logprobs,
-        finish_reason=finish_reason,
-        semantics=header.semantics,
-        policy_version_first=first,
-        policy_version_last=last,
-        version_changes=changes,
-        job_id=header.job_id,
-        group_id=header.group_id,
-        sample_index=sample_index,
-        metadata=dict(header.metadata),
-        replica_id=header.replica_id,
-        created_at=created_at,
-        group_size=header.group_size,
-        run_id=header.run_id,
-        adapter=header.adapter,
-    )
-
-
-def chunk_for(out: EngineOutput, *, request_id: str, sample_index: int, start_index: int) -> RolloutChunk:
-    """A chunk of one (merged) output's tokens; the arrays are shared, not copied."""
-    return RolloutChunk(
-        request_id=request_id,
-        sample_index=sample_index,
-        start_index=start_index,
-        token_ids=out.token_ids,
-        sampled_logprobs=out.sampled_logprobs,
-        sampled_ranks=out.sampled_ranks,
-        topk_ids=out.topk_ids,
-        topk_logprobs=out.topk_logprobs,
-        policy_version=out.policy_version,
-    )
+    builder = SampleBuilder(header, sample_index)
+    for out in outputs:
+        builder.hold(out)
+    return builder.record(finish_reason, current_version, created_at)
 
 
 _FINISH_REASONS = (None, "stop", "length", "abort")
@@ -201,34 +165,71 @@ def check_output(out: EngineOutput, k: int) -> None:
             raise RuntimeError(f"engine output {name} has shape {g}, expected {w}")
 
 
-@dataclass
 class SampleBuilder:
-    """One sample's engine outputs: all of them kept for the record, the ones not yet streamed held until
-    `take_chunk` sends them as one chunk (the caller decides when: `pipeline`'s latency bound)."""
+    """One sample's tokens: all of them kept for the record, the ones not yet streamed held until
+    `take_chunk` sends them as one chunk (the caller decides when: `pipeline`'s latency bound). Each
+    output is checked and its arrays kept as bytes when it is held (`_token_bytes`); a chunk joins the
+    held bytes once and keeps them as one part, so the record joins a few parts, not one per token. The
+    policy version history is kept as the tokens arrive (`version_history`'s rules)."""
 
-    header: RecordHeader
-    sample_index: int
-    outputs: list[EngineOutput] = field(default_factory=list)
-    num_tokens: int = 0  # tokens added
-    sent_tokens: int = 0  # tokens already in chunks: where the next chunk starts
-    finished: bool = False
-    _unsent: int = 0  # outputs[_unsent:] are in no chunk yet
-    _held_version: int | None = None  # policy version of the held tokens (None: none held)
+    __slots__ = (
+        "_changes",
+        "_first",
+        "_held_version",
+        "_k",
+        "_last_version",
+        "_parts",
+        "_token_version",
+        "_unsent",
+        "finished",
+        "header",
+        "num_tokens",
+        "sample_index",
+        "sent_tokens",
+    )
+
+    def __init__(self, header: RecordHeader, sample_index: int) -> None:
+        self.header, self.sample_index = header, sample_index
+        self.num_tokens = 0  # tokens added
+        self.sent_tokens = 0  # tokens already in chunks: where the next chunk starts
+        self.finished = False
+        self._k = header.logprobs_k
+        self._parts: tuple[list[bytes], ...] = ([], [], [], [], [])  # per array field, in token order
+        self._unsent = 0  # parts[i][_unsent:] are in no chunk yet
+        self._held_version: int | None = None  # policy version of the held tokens (None: none held)
+        self._last_version: int | None = None  # of the last output, tokens or not (None: none yet)
+        self._token_version = 0  # of the last token (read once there is one)
+        self._first: int | None = None  # version of the first token
+        self._changes: list[tuple[int, int]] = []  # (token index, version) where the version changed
 
     @property
     def held_tokens(self) -> int:
         return self.num_tokens - self.sent_tokens
 
-    def hold(self, out: EngineOutput) -> None:
-        """Keep an output (checked against the engine contract) for the next chunk and the record. The
-        caller takes the held tokens as a chunk before adding tokens of another policy version
-        (`changes_version`): a chunk has one version."""
-        check_output(out, self.header.logprobs_k)
-        t = len(out.token_ids)
-        if t and self._held_version is None:
-            self._held_version = out.policy_version
-        self.outputs.append(out)
-        self.num_tokens += t
+    def hold(self, out: EngineOutput) -> int:
+        """Check an output against the engine contract (RuntimeError: an engine bug must not reach a
+        trainer as a record it could misread) and keep it for the next chunk and the record; returns the
+        tokens now held. The caller takes the held tokens as a chunk before adding tokens of another
+        policy version (`changes_version`): a chunk has one version."""
+        t, data = _token_bytes(out, self._k)
+        v = out.policy_version
+        self._last_version = v
+        if t:
+            if self._first is None:
+                self._first = v
+            elif v != self._token_version:
+                self._changes.append((self.num_tokens, v))
+            self._token_version = v
+            if self._held_version is None:
+                self._held_version = v
+            ids, lps, rks, tis, tls = self._parts
+            ids.append(data[0])
+            lps.append(data[1])
+            rks.append(data[2])
+            tis.append(data[3])
+            tls.append(data[4])
+            self.num_tokens += t
+        return self.num_tokens - self.sent_tokens
 
     def changes_version(self, out: EngineOutput) -> bool:
         """Whether `out` brings tokens of another policy version than the held ones."""
@@ -239,21 +240,29 @@ class SampleBuilder:
         )
 
     def take_chunk(self, version: int | None = None) -> RolloutChunk:
-        """The held tokens as one chunk (no tokens: an empty chunk of policy version `version`). They
-        stay in `outputs` as one merged output, so the record joins a few arrays, not one per token."""
+        """The held tokens as one chunk (no tokens: an empty chunk of policy version `version`)."""
         if self._held_version is not None:
             version = self._held_version
         elif version is None:
-            version = self.outputs[-1].policy_version if self.outputs else 0
-        held = merge(self.outputs[self._unsent :], self.header.logprobs_k, version)
-        self.outputs[self._unsent :] = [held] if len(held.token_ids) else []
-        chunk = chunk_for(
-            held,
+            version = 0 if self._last_version is None else self._last_version
+        u, t = self._unsent, self.num_tokens - self.sent_tokens
+        held = tuple(p[u:] for p in self._parts)
+        ids, lps, rks, tis, tls = _arrays(held, t, self._k)
+        if t:  # kept as one part per field: the chunk's own bytes
+            for p, a in zip(self._parts, (ids, lps, rks, tis, tls), strict=True):
+                p[u:] = [a.data]
+        chunk = RolloutChunk(
             request_id=self.header.request_id,
             sample_index=self.sample_index,
             start_index=self.sent_tokens,
+            token_ids=ids,
+            sampled_logprobs=lps,
+            sampled_ranks=rks,
+            topk_ids=tis,
+            topk_logprobs=tls,
+            policy_version=version,
         )
-        self._unsent, self.sent_tokens, self._held_version = len(self.outputs), self.num_tokens, None
+        self._unsent, self.sent_tokens, self._held_version = len(self._parts[0]), self.num_tokens, None
         return chunk
 
     def finish(self, reason: str, current_version: int, now: float) -> RolloutChunk:
@@ -277,15 +286,37 @@ class SampleBuilder:
         return self.finish("abort", current_version, now)
 
     def record(self, reason: str, current_version: int, now: float) -> RolloutRecord:
-        """The finished record (for callers that stream no chunks: pull mode)."""
+        """The finished record, its arrays the chunks' bytes in order (without chunks: pull mode).
+        Without tokens, its version is `current_version` (the one it would have been generated under)."""
         if self.finished:
             raise RuntimeError(f"sample {self.sample_index} of {self.header.request_id} finished twice")
         self.finished = True
-        return build_record(
-            self.header,
-            self.sample_index,
-            self.outputs,
+        h = self.header
+        first, last = (current_version,) * 2 if self._first is None else (self._first, self._token_version)
+        ids, lps, rks, tis, tls = _arrays(self._parts, self.num_tokens, self._k)
+        return RolloutRecord(
+            # A job retried on another replica yields the same rollout_ids; without a job id the request
+            # id stands in (unique per request, so no dedup across retries).
+            rollout_id=rollout_id_for(h.job_id or h.request_id, self.sample_index),
+            request_id=h.request_id,
+            prompt_ids=h.prompt_ids,
+            completion_ids=ids,
+            sampled_logprobs=lps,
+            sampled_ranks=rks,
+            topk_ids=tis,
+            topk_logprobs=tls,
             finish_reason=reason,
-            current_version=current_version,
+            semantics=h.semantics,
+            policy_version_first=first,
+            policy_version_last=last,
+            version_changes=list(self._changes),
+            job_id=h.job_id,
+            group_id=h.group_id,
+            sample_index=self.sample_index,
+            metadata=dict(h.metadata),
+            replica_id=h.replica_id,
             created_at=now,
+            group_size=h.group_size,
+            run_id=h.run_id,
+            adapter=h.adapter,
         )

@@ -240,7 +240,7 @@ def test_records_build_no_chunk(fake_model_dir, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a chunk was built for a caller that streams none")
 
-    monkeypatch.setattr(rb, "chunk_for", refuse)
+    monkeypatch.setattr(rb.SampleBuilder, "take_chunk", refuse)
     pipeline, _ = make(fake_model_dir)
     records = asyncio.run(pipeline.prepare([1], SamplingOptions(max_tokens=7, n=2, seed=5)).records())
     assert [r.num_tokens for r in records] == [7, 7]

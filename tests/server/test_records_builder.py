@@ -13,7 +13,6 @@ from maskroll.server.generation.records_builder import (
     SampleBuilder,
     build_record,
     check_output,
-    merge,
     semantics_for,
     version_history,
 )
@@ -162,7 +161,6 @@ def test_held_outputs_go_as_one_chunk_and_the_record_joins_the_chunks():
     np.testing.assert_array_equal(rec.completion_ids, [1, 2, 3, 4, 5])
     np.testing.assert_array_equal(rec.sampled_logprobs, np.float32([-0.1, -0.2, -0.3, -0.4, -0.5]))
     assert (rec.policy_version_first, rec.policy_version_last, rec.version_changes) == (0, 1, [(3, 1)])
-    assert len(b.outputs) == 2  # one merged output per chunk: the record joined two arrays, not five
     with pytest.raises(RuntimeError, match="finished twice"):
         b.finish("stop", 1, now=6.0)
 
@@ -186,9 +184,9 @@ def test_outputs_given_as_lists_are_checked_and_joined_as_arrays():
         check_output(o, K)
 
 
-def test_merge_joins_strided_views_other_dtypes_and_lists_into_writable_arrays():
-    # The byte-join fast path (engine arrays of the right dtype, here strided views of one table) and the
-    # concatenate path (int64 ids, lists) give the same arrays as np.concatenate, writable, [t, K].
+def test_strided_views_other_dtypes_and_lists_are_copied_into_writable_int32_float32_arrays():
+    # Engine arrays of the right dtype (here strided views of one table), int64 ids and lists all land as
+    # the same int32 / float32 [t] and [t, K] arrays as np.concatenate would give, copies of the engine's.
     table = np.arange(40, dtype=np.int32).reshape(10, 4)  # column 0: the token, 1..3: its top-K ids
     views = [
         EngineOutput(
@@ -201,21 +199,56 @@ def test_merge_joins_strided_views_other_dtypes_and_lists_into_writable_arrays()
         )
         for i in range(3)
     ]
-    merged = merge([*views, out([], 0)], K, 0)
-    np.testing.assert_array_equal(merged.token_ids, [0, 4, 8])
-    np.testing.assert_array_equal(merged.topk_ids, [[1, 2, 3], [5, 6, 7], [9, 10, 11]])
-    np.testing.assert_array_equal(merged.topk_logprobs[:, 0], np.float32([0.0, -0.5, -1.0]))
-    assert merged.topk_ids.dtype == np.int32 and merged.topk_logprobs.shape == (3, K)
-    merged.topk_ids[0, 0] = 99  # writable, and a copy: the engine's table is untouched
-    assert table[0, 1] == 1
     wide = EngineOutput(**{**views[2].__dict__, "token_ids": np.array([8], np.int64)})
-    mixed = merge([views[0], wide, views[1]], K, 0)
-    assert mixed.token_ids.dtype == np.int32 and mixed.token_ids.tolist() == [0, 8, 4]
     listed = EngineOutput(
         token_ids=[7, 9], sampled_logprobs=[-1.0, -2.0], sampled_ranks=[1, 1],
         topk_ids=[[1, 2, 3], [4, 5, 6]], topk_logprobs=[[0.0] * K, [-1.0] * K], policy_version=0,
     )  # fmt: skip
-    both = merge([views[0], listed], K, 0)
-    np.testing.assert_array_equal(both.topk_ids, [[1, 2, 3], [1, 2, 3], [4, 5, 6]])
-    assert both.sampled_logprobs.dtype == np.float32 and both.sampled_logprobs.tolist() == [0.0, -1.0, -2.0]
-    assert merge([out([], 0)], 0, 0).topk_ids.shape == (0, 0)
+    flat_empty = EngineOutput(**{**out([], 0).__dict__, "topk_ids": np.zeros(0, np.int32)})  # [0], not [0, K]
+    b = SampleBuilder(header(), 0)
+    for o in (*views, out([], 0), flat_empty, wide, listed):
+        b.hold(o)
+    chunk = b.take_chunk()
+    rec = b.record("stop", 0, now=0.0)
+    for got in (chunk, rec):
+        ids = got.token_ids if got is chunk else got.completion_ids
+        np.testing.assert_array_equal(ids, [0, 4, 8, 8, 7, 9])
+        np.testing.assert_array_equal(
+            got.topk_ids, [[1, 2, 3], [5, 6, 7], [9, 10, 11], [9, 10, 11], [1, 2, 3], [4, 5, 6]]
+        )
+        np.testing.assert_array_equal(got.sampled_logprobs, np.float32([0, -4, -8, -8, -1, -2]))
+        np.testing.assert_array_equal(got.topk_logprobs[:, 0], np.float32([0.0, -0.5, -1.0, -1.0, 0.0, -1.0]))
+        assert (ids.dtype, got.topk_ids.dtype, got.topk_logprobs.dtype) == (np.int32, np.int32, np.float32)
+    rec.topk_ids[0, 0] = 99  # writable, and a copy: the engine's table and the chunk are untouched
+    assert table[0, 1] == 1 and chunk.topk_ids[0, 0] == 1
+    assert SampleBuilder(header(k=0), 0).record("stop", 0, now=0.0).topk_ids.shape == (0, 0)
+
+
+def test_a_misshaped_output_is_refused_when_held_before_any_chunk_or_record():
+    b = SampleBuilder(header(), 0)
+    b.hold(out([1, 2], 0))
+    bad = out([3], 0)
+    bad.topk_ids = np.zeros((1, K + 1), np.int32)  # the sampled token leaked into the top-K
+    with pytest.raises(RuntimeError, match=r"topk_ids has shape \(1, 4\), expected \(1, 3\)"):
+        b.hold(bad)
+    assert b.held_tokens == 2  # nothing of it was kept
+
+
+def test_many_chunks_join_into_the_record():
+    # 200 tokens in outputs of 1 to 7 tokens, a chunk now and then: every chunk holds its own tokens,
+    # and the record is their concatenation
+    b = SampleBuilder(header(), 0)
+    chunks, made, size = [], 0, 1
+    while made < 200:
+        n = min(size, 200 - made)
+        b.hold(out(list(range(made, made + n)), 0))
+        made, size = made + n, size % 7 + 1
+        if made % 3 == 0 or made == 200:
+            chunks.append(b.finish("length", 0, now=0.0) if made == 200 else b.take_chunk())
+    for c in chunks:
+        np.testing.assert_array_equal(c.token_ids, np.arange(c.start_index, c.start_index + len(c.token_ids)))
+        np.testing.assert_array_equal(c.topk_ids[:, 2], c.token_ids + 2)
+    rec = chunks[-1].record
+    np.testing.assert_array_equal(rec.completion_ids, np.arange(200))
+    np.testing.assert_array_equal(rec.sampled_logprobs, np.concatenate([c.sampled_logprobs for c in chunks]))
+    assert sum(len(c.token_ids) for c in chunks) == 200 and len(chunks) > 10
