@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import subprocess
@@ -338,6 +339,12 @@ async def bench_scripted(args: argparse.Namespace) -> dict:
         replica = await start(config, engine)
         pipeline = Pipeline(engine, config)  # the replica's rules and chunking, without gRPC
         try:
+            # A warm-up, not counted: a fresh replica's first RPCs pay one-time costs (imports, the first
+            # connection, caches) that were 3-4x a repetition's CPU per token.
+            gc.freeze()  # as `maskroll serve` does once its replica has started (server/app.py serve)
+            for k in (0, kmax):
+                await run_pipeline(pipeline, n, t, k)
+                await asyncio.to_thread(run_grpc_subprocess, replica.address, None, n, t, k)
             for rep in range(args.reps):
                 for k in (0, kmax):
                     cpu0 = time.process_time()

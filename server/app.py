@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -610,6 +611,10 @@ async def serve(config: ServerConfig) -> int:
     except ConfigError as exc:  # engine arguments only vLLM can check (--vllm-arg, quantization, ...)
         print(f"maskroll serve: {exc}", file=sys.stderr, flush=True)
         return 2
+    # Everything alive now (the imports: torch, vLLM, grpc; the engine) lives as long as the process: out
+    # of the cyclic collector's reach, a full collection no longer walks it — a pause of tens of ms that
+    # landed in the middle of serving (bench/server.py --scripted: single repetitions 3-4x the median).
+    gc.freeze()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
