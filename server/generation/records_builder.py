@@ -1,10 +1,11 @@
 """Engine outputs → streamed chunks and finished RolloutRecords (pure; no gRPC, no engine calls).
 
-A sample's outputs are held until the caller takes them as one chunk (`SampleBuilder.take_chunk`; when
-is `pipeline`'s rule), then kept as one merged output, so neither a chunk nor the record is built from
-one small array per token; a caller that streams nothing takes no chunk at all. The record's arrays are
-exactly the concatenation of the sample's chunks, so a client that reassembles the stream gets the same
-bytes as one that asked for `include_record_arrays`. Policy versions are tracked per token:
+Each engine output is checked against the engine contract and its arrays kept as bytes when the sample
+holds it; the held tokens go out when the caller takes them as one chunk (`SampleBuilder.take_chunk`;
+when is `pipeline`'s rule), whose bytes are then kept as one part, so neither a chunk nor the record is
+built from one small array per token; a caller that streams nothing takes no chunk at all. The record's
+arrays are exactly the concatenation of the sample's chunks, so a client that reassembles the stream
+gets the same bytes as one that asked for `include_record_arrays`. Policy versions are tracked per token:
 `policy_version_first/last` and the token indices where the version changed.
 """
 
@@ -30,31 +31,6 @@ def semantics_for(params: SamplingParams, *, engine: str, engine_version: str, m
         engine_version=engine_version,
         model=model,
     )
-
-
-def version_history(
-    outputs: list[EngineOutput], current_version: int
-) -> tuple[int, int, list[tuple[int, int]]]:
-    """(version at the first token, at the last token, [(token_index, version) where it changed]).
-
-    Outputs without tokens carry no version information; with no tokens at all, first = last =
-    `current_version` (the version the sample would have been generated under)."""
-    first = last = None
-    changes: list[tuple[int, int]] = []
-    index = 0
-    for out in outputs:
-        t = len(out.token_ids)
-        if t == 0:
-            continue
-        if first is None:
-            first = out.policy_version
-        elif out.policy_version != last:
-            changes.append((index, out.policy_version))
-        last = out.policy_version
-        index += t
-    if first is None:
-        return current_version, current_version, []
-    return first, last, changes
 
 
 _I32, _F32 = np.dtype(np.int32), np.dtype(np.float32)
@@ -125,22 +101,6 @@ class RecordHeader:
         return self.semantics.logprobs_k
 
 
-def build_record(
-    header: RecordHeader,
-    sample_index: int,
-    outputs: list[EngineOutput],
-    *,
-    finish_reason: str,
-    current_version: int,
-    created_at: float,
-) -> RolloutRecord:
-    """The finished record of one sample from all of its engine outputs, in order."""
-    builder = SampleBuilder(header, sample_index)
-    for out in outputs:
-        builder.hold(out)
-    return builder.record(finish_reason, current_version, created_at)
-
-
 _FINISH_REASONS = (None, "stop", "length", "abort")
 
 
@@ -170,7 +130,8 @@ class SampleBuilder:
     `take_chunk` sends them as one chunk (the caller decides when: `pipeline`'s latency bound). Each
     output is checked and its arrays kept as bytes when it is held (`_token_bytes`); a chunk joins the
     held bytes once and keeps them as one part, so the record joins a few parts, not one per token. The
-    policy version history is kept as the tokens arrive (`version_history`'s rules)."""
+    policy version history is kept as the tokens arrive: the version of the first and the last token, and
+    (token index, version) where it changed; outputs without tokens carry no version."""
 
     __slots__ = (
         "_changes",

@@ -11,10 +11,8 @@ from maskroll.server.engines.contract import EngineOutput, SamplingParams
 from maskroll.server.generation.records_builder import (
     RecordHeader,
     SampleBuilder,
-    build_record,
     check_output,
     semantics_for,
-    version_history,
 )
 
 K = 3
@@ -47,14 +45,26 @@ def header(job_id="job", k=K) -> RecordHeader:
     )
 
 
+def record_of(outs, current_version=99, k=K):
+    b = SampleBuilder(header(k=k), 0)
+    for o in outs:
+        b.hold(o)
+    return b.record("stop", current_version, now=0.0)
+
+
+def versions(rec):
+    return rec.policy_version_first, rec.policy_version_last, rec.version_changes
+
+
 def test_version_history_marks_each_change_at_its_first_token():
+    # an output without tokens (version 9) carries no version
     outs = [out([1, 2], 3), out([], 9), out([3], 3), out([4, 5, 6], 4), out([7], 4), out([8], 6)]
-    assert version_history(outs, current_version=99) == (3, 6, [(3, 4), (7, 6)])
+    assert versions(record_of(outs)) == (3, 6, [(3, 4), (7, 6)])
 
 
 def test_version_history_without_tokens_uses_the_current_version():
-    assert version_history([], current_version=7) == (7, 7, [])
-    assert version_history([out([], 2, "stop")], current_version=7) == (7, 7, [])
+    assert versions(record_of([], current_version=7)) == (7, 7, [])
+    assert versions(record_of([out([], 2, "stop")], current_version=7)) == (7, 7, [])
 
 
 def test_record_is_the_concatenation_of_the_chunks_and_carries_the_header():
@@ -113,9 +123,7 @@ def test_abort_before_any_token_gives_an_empty_record_with_k_columns():
 
 
 def test_k_zero_records_have_zero_width_topk():
-    rec = build_record(
-        header(k=0), 0, [out([1, 2], 0, "stop", k=0)], finish_reason="stop", current_version=0, created_at=0
-    )
+    rec = record_of([out([1, 2], 0, "stop", k=0)], k=0)
     assert rec.topk_ids.shape == (2, 0) and rec.topk_logprobs.shape == (2, 0)
 
 
