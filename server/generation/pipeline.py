@@ -73,10 +73,10 @@ class Coalescing(NamedTuple):
 class _StreamedSample:
     """One sample of a stream: holds its engine outputs and emits them as chunks under the latency bound.
 
-    Runs in the engine stream's task (and a timer), so that an output which is only held costs an append
-    and a few comparisons, and the consumer wakes once per chunk. A chunk goes at once for the sample's first
-    tokens, its last output (with the record), before tokens of a new policy version, and when it holds
-    `max_tokens`; otherwise `interval_s` after its first held token."""
+    Runs in the engine stream's task (and a timer), so that an output which is only held costs a check and
+    a copy of its bytes (`SampleBuilder.hold`), and the consumer wakes once per chunk. A chunk goes at once
+    for the sample's first tokens, its last output (with the record), before tokens of a new policy
+    version, and when it holds `max_tokens`; otherwise `interval_s` after its first held token."""
 
     def __init__(self, builder: SampleBuilder, fan: FanOut, rule: Coalescing, max_tokens: int) -> None:
         self.builder, self._fan, self._max_tokens = builder, fan, max_tokens
