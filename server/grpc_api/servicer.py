@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 
 from maskroll.proto import wire
@@ -46,6 +47,7 @@ from .errors import (
 log = logging.getLogger("maskroll.weights")
 
 
+@functools.cache  # reading the package metadata takes ~2 ms, and GetInfo asks on every call
 def maskroll_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
