@@ -339,9 +339,9 @@ async def bench_scripted(args: argparse.Namespace) -> dict:
         replica = await start(config, engine)
         pipeline = Pipeline(engine, config)  # the replica's rules and chunking, without gRPC
         try:
+            gc.freeze()  # as `maskroll serve` does once its replica has started (server/app.py serve)
             # A warm-up, not counted: a fresh replica's first RPCs pay one-time costs (imports, the first
             # connection, caches) that were 3-4x a repetition's CPU per token.
-            gc.freeze()  # as `maskroll serve` does once its replica has started (server/app.py serve)
             for k in (0, kmax):
                 await run_pipeline(pipeline, n, t, k)
                 await asyncio.to_thread(run_grpc_subprocess, replica.address, None, n, t, k)
