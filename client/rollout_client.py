@@ -12,8 +12,9 @@ the engine request. Imports grpc, protobuf and numpy only — never torch or vll
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -33,6 +34,7 @@ from maskroll.proto.records import (
 from maskroll.proto.scoring import ScoreJob, ScoreOptions, ScoreResult
 
 from ._sync import signature_of, sync_facade
+from .generate_stream import GenerateStreamCall, Lane, StreamFailed
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a record with arrays is ~8 bytes per token per K
 
@@ -73,22 +75,46 @@ def _prompt_array(prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:  # -> i
 
 
 class ChunkStream:
-    """The chunks of one Generate call. Async iterator; `cancel()`, `aclose()` or dropping the last
-    reference (CPython frees it as soon as an `async for` is left) cancels the call."""
+    """The chunks of one generate request: a lane of the client's GenerateStream call, or a Generate
+    call of its own. Async iterator; `cancel()`, `aclose()` or dropping the last reference (CPython
+    frees it as soon as an `async for` is left) cancels the request."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+    def __init__(
+        self,
+        *,
+        lane: Lane | None = None,
+        call: grpc.aio.UnaryStreamCall | None = None,
+        fallback: Callable[[], grpc.aio.UnaryStreamCall] | None = None,
+    ) -> None:
+        self._lane = lane
         self._call = call
+        # A replica older than GenerateStream refuses the call (UNIMPLEMENTED) before any event: the
+        # request then goes as a Generate call of its own, made by `fallback`.
+        self._fallback = fallback
 
     def __aiter__(self) -> ChunkStream:
         return self
 
     async def __anext__(self) -> RolloutChunk:
-        try:
-            msg = await self._call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise RolloutError.from_rpc(exc) from None
-        if msg is grpc.aio.EOF:
-            raise StopAsyncIteration
+        if self._lane is not None:
+            try:
+                msg = await self._lane.read()
+            except StreamFailed as exc:
+                if not (
+                    exc.code is grpc.StatusCode.UNIMPLEMENTED and not self._lane.received and self._fallback
+                ):
+                    raise RolloutError(exc.code, exc.message) from None
+                self._lane, self._call = None, self._fallback()
+                return await self.__anext__()
+            if msg is None:
+                raise StopAsyncIteration
+        else:
+            try:
+                msg = await self._call.read()
+            except grpc.aio.AioRpcError as exc:
+                raise RolloutError.from_rpc(exc) from None
+            if msg is grpc.aio.EOF:
+                raise StopAsyncIteration
         try:
             return wire.chunk_from_pb(msg)
         except Exception:
@@ -96,7 +122,9 @@ class ChunkStream:
             raise
 
     def cancel(self) -> None:
-        if not self._call.done():
+        if self._lane is not None:
+            self._lane.cancel()
+        elif self._call is not None and not self._call.done():
             self._call.cancel()
 
     async def aclose(self) -> None:
@@ -109,8 +137,11 @@ class ChunkStream:
         self.cancel()
 
     def __del__(self) -> None:
-        call = getattr(self, "_call", None)
-        if call is not None and not call.done():
+        lane, call = getattr(self, "_lane", None), getattr(self, "_call", None)
+        if lane is not None and not lane.ended:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the call ended with it
+                lane.loop.call_soon_threadsafe(lane.cancel)  # __del__ may run on another thread
+        elif call is not None and not call.done():
             call.cancel()
 
 
@@ -128,11 +159,14 @@ class RolloutClient:
         tls_server_name: str | None = None,
         timeout: float | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        multiplex: bool = True,
     ) -> None:
         """target: "host:port". token: bearer token, if the server requires one. tls / root_certs: use
         TLS, trusting `root_certs` (PEM) or the system roots. tls_server_name: the name to check the
         server certificate against, when it differs from the target's host. timeout: default deadline
-        of unary calls, in seconds (streams have none unless given per call)."""
+        of unary calls, in seconds (streams have none unless given per call). multiplex: send every
+        generate request over one GenerateStream call (the replica batches their chunks: less CPU on
+        both sides); False, or a replica that predates it: one Generate call per request."""
         self._target = target
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._tls = tls or root_certs is not None
@@ -146,6 +180,8 @@ class RolloutClient:
             self._options.append(("grpc.ssl_target_name_override", tls_server_name))
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.RolloutServiceStub | None = None
+        self._multiplex = multiplex
+        self._stream: GenerateStreamCall | None = None  # the GenerateStream call, opened on first use
 
     def _rollout(self) -> pb_grpc.RolloutServiceStub:
         if self._stub is None:
@@ -166,6 +202,9 @@ class RolloutClient:
 
     async def close(self) -> None:
         """Close the channel (streams still open end with CANCELLED)."""
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.close()
         if self._channel is not None:
             await self._channel.close()
             self._channel = self._stub = None
@@ -205,7 +244,22 @@ class RolloutClient:
             include_record_arrays=include_record_arrays,
             namespace=namespace,
         )
-        return ChunkStream(self._rollout().Generate(request, metadata=self._metadata, timeout=timeout))
+
+        def call() -> grpc.aio.UnaryStreamCall:
+            return self._rollout().Generate(request, metadata=self._metadata, timeout=timeout)
+
+        if not self._multiplex:
+            return ChunkStream(call=call())
+        if self._stream is None or self._stream.failed is not None:
+            self._stream = GenerateStreamCall(self._rollout(), self._metadata)
+        return ChunkStream(lane=self._stream.open(request, timeout), fallback=self._fall_back(call))
+
+    def _fall_back(self, call: Callable[[], grpc.aio.UnaryStreamCall]):
+        def fallback() -> grpc.aio.UnaryStreamCall:
+            self._multiplex = False  # the replica has no GenerateStream: every later request goes alone
+            return call()
+
+        return fallback
 
     async def generate_records(
         self,

@@ -140,7 +140,7 @@ def _chunk_from_bytes(raw: bytes) -> tuple[int, int, memoryview]:
 def push_chunk_from_pb(m: pb.WeightsPushChunk | bytes) -> tuple[int, int, bytes | memoryview]:
     """(tensor index, byte offset, bytes); ValueError for a second manifest. Given the message's
     serialized bytes (the replica's PushWeights handler has no request deserializer:
-    server/grpc_api/servicer.py `add_raw_push_handler`), the data is a view into them: protobuf's parse
+    server/grpc_api/servicer.py `add_raw_handlers`), the data is a view into them: protobuf's parse
     and its field access would copy every pushed byte twice more, over half of a replica's CPU for a
     push (bench/weights.py)."""
     if isinstance(m, bytes):

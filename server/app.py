@@ -45,7 +45,7 @@ from .activity import log_activity
 from .auth import BearerTokenInterceptor, server_credentials
 from .config import ConfigError, ServerConfig
 from .engines.contract import Engine
-from .grpc_api.servicer import RolloutServicer, add_raw_push_handler
+from .grpc_api.servicer import RolloutServicer, add_raw_handlers
 from .lanes import Lane
 from .metrics import Metrics
 from .pull.jobs import JobRunner
@@ -476,7 +476,7 @@ def _grpc_server(
         ],
     )
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
-    add_raw_push_handler(servicer, server)  # PushWeights without protobuf's copies of the tensor bytes
+    add_raw_handlers(servicer, server)  # PushWeights and GenerateStream without protobuf's copies
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bind = _hostport(config.host, config.port)
     try:

@@ -70,6 +70,40 @@ class GenerateRequest(_message.Message):
     namespace: str
     def __init__(self, prompt_token_ids: _Optional[bytes] = ..., options: _Optional[_Union[SamplingOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., include_record_arrays: _Optional[bool] = ..., rollout_stream: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
+class StreamRequest(_message.Message):
+    __slots__ = ("tag", "generate", "cancel")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    generate: GenerateRequest
+    cancel: bool
+    def __init__(self, tag: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class StreamEnd(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StreamEvent(_message.Message):
+    __slots__ = ("tag", "chunk", "end")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    chunk: GenerateChunk
+    end: StreamEnd
+    def __init__(self, tag: _Optional[int] = ..., chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
+
+class StreamEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[StreamEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[StreamEvent, _Mapping]]] = ...) -> None: ...
+
 class Semantics(_message.Message):
     __slots__ = ("logprobs_mode", "temperature", "top_p", "top_k", "logprobs_k", "engine", "engine_version", "model")
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class RolloutServiceStub:
                 request_serializer=maskroll_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=maskroll_dot_v1_dot_rollout__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/maskroll.v1.RolloutService/GenerateStream',
+                request_serializer=maskroll_dot_v1_dot_rollout__pb2.StreamRequest.SerializeToString,
+                response_deserializer=maskroll_dot_v1_dot_rollout__pb2.StreamEvents.FromString,
+                _registered_method=True)
         self.UpdateWeights = channel.unary_unary(
                 '/maskroll.v1.RolloutService/UpdateWeights',
                 request_serializer=maskroll_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
@@ -69,6 +74,17 @@ class RolloutServiceServicer:
         """Server-streaming generation. Each chunk carries the new tokens of one sample with their logprob
         arrays; the last chunk of a sample carries its finished record. Cancelling the call aborts the
         request in the engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many Generate requests over one call (what RolloutClient uses): the client sends each request with a
+        tag of its own, and may cancel one by its tag; the server answers with batches of events: each
+        request's chunks, in order, as Generate streams them, then its end (a status, as Generate's).
+        One call saves gRPC's per-call cost, and chunks of many requests share a message
+        (docs/architecture.md, flow 1; docs/benchmarks.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,6 +128,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=maskroll_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
                     response_serializer=maskroll_dot_v1_dot_rollout__pb2.GenerateChunk.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=maskroll_dot_v1_dot_rollout__pb2.StreamRequest.FromString,
+                    response_serializer=maskroll_dot_v1_dot_rollout__pb2.StreamEvents.SerializeToString,
             ),
             'UpdateWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeights,
@@ -161,6 +182,33 @@ class RolloutService:
             '/maskroll.v1.RolloutService/Generate',
             maskroll_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
             maskroll_dot_v1_dot_rollout__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/maskroll.v1.RolloutService/GenerateStream',
+            maskroll_dot_v1_dot_rollout__pb2.StreamRequest.SerializeToString,
+            maskroll_dot_v1_dot_rollout__pb2.StreamEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -102,6 +102,14 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, message_of(f"internal error: {type(exc).__name__}: {exc}")
 
 
+def status_of(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """`to_status`, logging the unknown exceptions (INTERNAL) with their traceback, once."""
+    code, message = to_status(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("%s failed", method, exc_info=exc)
+    return code, message
+
+
 # Called with (method, status code name, seconds) when an RPC ends, however it ends.
 Observer = Callable[[str, str, float], None]
 
@@ -111,10 +119,7 @@ def rpc_boundary(method: str) -> Callable:
     The servicer provides `observe_rpc: Observer`."""
 
     def translate(exc: Exception) -> tuple[grpc.StatusCode, str]:
-        code, message = to_status(exc)
-        if code is grpc.StatusCode.INTERNAL:
-            log.error("%s failed", method, exc_info=exc)
-        return code, message
+        return status_of(method, exc)
 
     def decorate(fn: Callable) -> Callable:
         if inspect.isasyncgenfunction(fn):

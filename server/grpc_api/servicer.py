@@ -43,6 +43,7 @@ from .errors import (
     rpc_boundary,
     shown,
 )
+from .session import StreamSession
 
 log = logging.getLogger("maskroll.weights")
 
@@ -127,6 +128,24 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     @rpc_boundary("Generate")
     async def Generate(self, request: pb.GenerateRequest, context):
+        async with contextlib.aclosing(self.serve_request(request)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    @rpc_boundary("GenerateStream")
+    async def GenerateStream(self, requests, context):
+        """Many Generate requests over one call, each run by `serve_request` (session.py); yields the
+        bytes of each pb.StreamEvents message (its handler's response serializer is the identity)."""
+        # At once, so that the client's first write cannot race a refusal (client/generate_stream.py).
+        await context.send_initial_metadata(())
+        stream = StreamSession(self.serve_request, self.observe_rpc, self._config.max_message_bytes)
+        async with contextlib.aclosing(stream.messages(requests)) as messages:
+            async for message in messages:
+                yield message
+
+    async def serve_request(self, request: pb.GenerateRequest):
+        """One Generate request's chunks (pb.GenerateChunk), whichever call carries it; raises what the
+        call ends with."""
         self._check_serving()
         # The namespace's current adapter samples every token (None: the engine's weights); held
         # resident until the request ends, however it ends.
@@ -458,18 +477,22 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._running.abort_all()
 
 
-def add_raw_push_handler(servicer: RolloutServicer, server) -> None:
-    """Serve PushWeights with no request deserializer (after `add_RolloutServiceServicer_to_server`,
-    which it overrides for that one method): the servicer gets each message's bytes and
-    `wire.push_chunk_from_pb` takes the tensor bytes as a view into them, where protobuf's parse and
-    field access would copy every pushed byte twice more (bench/weights.py)."""
+def add_raw_handlers(servicer: RolloutServicer, server) -> None:
+    """Serve two methods with bytes where protobuf would copy (after `add_RolloutServiceServicer_to_server`,
+    which this overrides for them): PushWeights with no request deserializer, so that
+    `wire.push_chunk_from_pb` takes the tensor bytes as a view into each message, where protobuf's parse
+    and field access would copy every pushed byte twice more (bench/weights.py); and GenerateStream with
+    no response serializer, as its messages are framed from chunks serialised once (session.py)."""
     import grpc
 
-    handler = grpc.stream_unary_rpc_method_handler(
+    push = grpc.stream_unary_rpc_method_handler(
         servicer.PushWeights, response_serializer=pb.UpdateWeightsResponse.SerializeToString
     )
+    stream = grpc.stream_stream_rpc_method_handler(
+        servicer.GenerateStream, request_deserializer=pb.StreamRequest.FromString
+    )
     service = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
-    server.add_registered_method_handlers(service, {"PushWeights": handler})
+    server.add_registered_method_handlers(service, {"PushWeights": push, "GenerateStream": stream})
 
 
 def _log_refused(update: WeightsUpdate, exc: ServiceError, source=None) -> None:
