@@ -37,6 +37,9 @@ def _processes_mentioning(text: str) -> list[tuple[int, str]]:
 
 def _demo(out: Path, *args: str, **kw) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "maskroll.app.cli", "demo", "--out", str(out), *args]
+    # Ctrl-C's default action in the demo, whatever this process inherited: a shell that starts pytest in
+    # the background ignores SIGINT for it, and a Python started so never raises KeyboardInterrupt.
+    kw.setdefault("preexec_fn", lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 

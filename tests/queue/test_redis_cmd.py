@@ -16,7 +16,16 @@ from maskroll.local.redis_server import LocalRedis
 
 def _maskroll_redis(*args: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "maskroll.app.cli", "redis", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Ctrl-C's default action in the child, whatever this process inherited: a shell that starts pytest
+    # in the background (`pytest &` in a script) ignores SIGINT for it, its children inherit that, and a
+    # Python started with SIGINT ignored never raises KeyboardInterrupt.
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_default_sigint
+    )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_it_prints_its_url_serves_and_ctrl_c_stops_it():
