@@ -14,7 +14,6 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
-from fake_engine import FakeEngine
 from grpc_fixtures import replica, server_config, server_loop, wait_until  # noqa: F401
 
 from maskroll.client import RecordAssembler, RolloutClient, RolloutError, SamplingOptions
@@ -213,27 +212,6 @@ def test_leaving_the_call_cancels_every_running_request():
 
 
 # ---- over gRPC --------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def fake_model_dir(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    return tmp_path
-
-
-@pytest.fixture
-def fake(server_loop, fake_model_dir):  # noqa: F811
-    stack = []
-
-    def make(config=None, **engine_kwargs):
-        engine = FakeEngine(**engine_kwargs)
-        cm = replica(server_loop, server_config(fake_model_dir, **(config or {})), engine)
-        stack.append(cm)
-        return cm.__enter__(), engine
-
-    yield make
-    for cm in reversed(stack):
-        cm.__exit__(None, None, None)
 
 
 def options(seed: int, **kw) -> SamplingOptions:

@@ -26,12 +26,6 @@ from maskroll.server.pull.puller import JobRejected
 ARRAYS = ("completion_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs")
 
 
-@pytest.fixture
-def fake_model_dir(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    return tmp_path
-
-
 def make(fake_model_dir, config: dict | None = None, **engine_kwargs) -> tuple[Pipeline, FakeEngine]:
     engine = FakeEngine(**engine_kwargs)
     config = server_config(fake_model_dir, max_n=4, max_tokens=250, **(config or {}))

@@ -14,34 +14,11 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
-from fake_engine import FakeEngine, scripted_token
+from fake_engine import scripted_token
 from grpc_fixtures import replica, server_config, server_loop, wait_until  # noqa: F401
 
 from maskroll.client import RecordAssembler, RolloutClient, RolloutError, SamplingOptions
 from maskroll.proto.records import rollout_id_for
-
-
-@pytest.fixture
-def fake_model_dir(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    return tmp_path
-
-
-@pytest.fixture
-def fake(server_loop, fake_model_dir):  # noqa: F811
-    """Factory: fake(**engine_kwargs, config=dict(...)) -> (replica, engine); stopped at teardown."""
-    stack = []
-
-    def make(config=None, **engine_kwargs):
-        engine = FakeEngine(**engine_kwargs)
-        cm = replica(server_loop, server_config(fake_model_dir, **(config or {})), engine)
-        r = cm.__enter__()
-        stack.append(cm)
-        return r, engine
-
-    yield make
-    for cm in reversed(stack):
-        cm.__exit__(None, None, None)
 
 
 def test_n_samples_fan_out_and_reassemble_to_the_record(fake):
