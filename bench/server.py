@@ -20,6 +20,8 @@ runs at its default settings (chunks gathered for up to `chunk_interval_ms`) unl
 --scripted measures the serving path alone, in seconds and without a model: the same comparison around
 a scripted engine (precomputed outputs on a fixed step clock, `--step-ms`, whose own CPU is the
 in-process run's), so the engine's cost is close to nothing and the difference is the serving path's.
+Each repetition runs every path `--rounds` times (3) and sums CPU and tokens: one 16 x 128-token run is
+~0.5 s, and a figure taken from one such run moved by ±30 % between repetitions.
 
 Wire bytes: each GenerateChunk the client received, re-serialised (`maskroll.proto.wire.chunk_to_pb`,
 deterministic) plus gRPC's 5-byte message prefix; HTTP/2 framing is left out of both sides. JSON: the
@@ -153,9 +155,18 @@ def token_table(model_dir: Path) -> list[tuple[str, list[int]]]:
 
 
 async def run_grpc_client(
-    address: str, model_dir: Path | None, n: int, tokens: int, k: int, sizes: bool = True, go=None, done=None
+    address: str,
+    model_dir: Path | None,
+    n: int,
+    tokens: int,
+    k: int,
+    sizes: bool = True,
+    go=None,
+    done=None,
+    rounds: int = 1,
 ) -> dict:
-    """go / done: called when connected (the clock starts after it) and when the last chunk arrived."""
+    """go / done: called when connected (the clock starts after it) and when the last chunk arrived.
+    rounds: the R requests this many times, one round after the other (figures summed)."""
     from maskroll.client import RolloutClient, SamplingOptions
     from maskroll.proto.wire import chunk_to_pb
 
@@ -179,15 +190,23 @@ async def run_grpc_client(
             return chunks
 
         t0, cpu0 = time.perf_counter(), time.process_time()
-        streams = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts(n))])
+        streams = []
+        for _ in range(rounds):
+            streams += await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts(n))])
         seconds, client_cpu = time.perf_counter() - t0, time.process_time() - cpu0
         if done is not None:
             done()
+        # The GenerateStream call's messages (the replica batches chunks of several requests; info()
+        # above sends none on it). None: one Generate call per request (a message per chunk), as in a
+        # --baseline tree from before GenerateStream.
+        stream = getattr(client, "_stream", None)
+        messages = stream.messages if stream is not None else None
     chunks = [c for s in streams for c in s]
     out = {
         "tokens": sum(len(c.token_ids) for c in chunks),
         "seconds": seconds,
         "chunks": len(chunks),
+        "messages": len(chunks) if messages is None else messages,
         "first_token_ms": [round(1e3 * s, 2) for s in first_token],
         "client_cpu_s": client_cpu,  # the client process's (in 1-proc: the server's too)
     }
@@ -197,7 +216,9 @@ async def run_grpc_client(
     return out
 
 
-def run_grpc_subprocess(address: str, model_dir: Path | None, n: int, tokens: int, k: int) -> dict:
+def run_grpc_subprocess(
+    address: str, model_dir: Path | None, n: int, tokens: int, k: int, rounds: int = 1
+) -> dict:
     """One gRPC measurement with the client in a child process. `server_cpu_s`: this process's CPU time
     from telling the connected child to start until its result arrives (the child's start-up, imports
     and connection are not the serving path's)."""
@@ -213,6 +234,8 @@ def run_grpc_subprocess(address: str, model_dir: Path | None, n: int, tokens: in
         str(tokens),
         "--k",
         str(k),
+        "--rounds",
+        str(rounds),
     ]
     with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:
         if child.stdout.readline().strip() != "ready":
@@ -341,25 +364,40 @@ async def bench_scripted(args: argparse.Namespace) -> dict:
         try:
             gc.freeze()  # as `maskroll serve` does once its replica has started (server/app.py serve)
             # A warm-up, not counted: a fresh replica's first RPCs pay one-time costs (imports, the first
-            # connection, caches) that were 3-4x a repetition's CPU per token.
+            # connection, caches) that were 3-4x a repetition's CPU per token, and the first counted
+            # repetition after one round of each path was still the slowest of seven (19.2 µs against
+            # 13.3-17.8): one whole repetition's rounds of each path, so that with --baseline (a process
+            # per repetition) every repetition is measured as warm as the later ones of a long run.
+            rounds = args.rounds
             for k in (0, kmax):
-                await run_pipeline(pipeline, n, t, k)
-                await asyncio.to_thread(run_grpc_subprocess, replica.address, None, n, t, k)
+                for _ in range(rounds):
+                    await run_inprocess(engine, n, t, k)
+                    await run_pipeline(pipeline, n, t, k)
+                await asyncio.to_thread(run_grpc_subprocess, replica.address, None, n, t, k, rounds)
             for rep in range(args.reps):
                 for k in (0, kmax):
                     cpu0 = time.process_time()
-                    await run_inprocess(engine, n, t, k)
+                    for _ in range(rounds):
+                        await run_inprocess(engine, n, t, k)
                     inproc = time.process_time() - cpu0
                     cpu0 = time.process_time()
-                    await run_pipeline(pipeline, n, t, k)
+                    for _ in range(rounds):
+                        await run_pipeline(pipeline, n, t, k)
                     piped = time.process_time() - cpu0
-                    row = await asyncio.to_thread(run_grpc_subprocess, replica.address, None, n, t, k)
+                    row = await asyncio.to_thread(run_grpc_subprocess, replica.address, None, n, t, k, rounds)
                     cpu = {"inprocess_cpu_s": inproc, "pipeline_cpu_s": piped}
                     runs.append({"rep": rep, "k": k, **cpu, **row})
         finally:
             await replica.drain(timeout_s=0)
             await engine.close()
-    out = {"requests": n, "tokens_per_request": t, "step_ms": args.step_ms, "reps": args.reps, "k": kmax}
+    out = {
+        "requests": n,
+        "tokens_per_request": t,
+        "step_ms": args.step_ms,
+        "reps": args.reps,
+        "rounds": args.rounds,
+        "k": kmax,
+    }
     for k in (0, kmax):
         rows = [r for r in runs if r["k"] == k]
         grpc = [r["server_cpu_s"] / r["tokens"] for r in rows]
@@ -390,6 +428,7 @@ async def bench_scripted(args: argparse.Namespace) -> dict:
             "grpc_cpu_us_per_token_by_rep": [round(1e6 * x, 1) for x in grpc],
             "engine_cpu_us_per_token_by_rep": [round(1e6 * x, 1) for x in inproc],
             "tokens_per_chunk": round(statistics.median(r["tokens"] / r["chunks"] for r in rows), 2),
+            "tokens_per_message": round(statistics.median(r["tokens"] / r["messages"] for r in rows), 2),
             "first_token_ms_median": round(
                 statistics.median(x for r in rows for x in r["first_token_ms"]), 2
             ),
@@ -404,12 +443,14 @@ def scripted_summary(r: dict) -> str:
     k = r["k"]
     return (
         f"serving CPU per token (scripted engine, {r['requests']} x {r['tokens_per_request']} tokens, "
-        f"{r['reps']} reps): K=0 {common.fmt_spread(r['k0']['serving_cpu_us_per_token_range'])} µs, "
+        f"{r['reps']} reps of {r.get('rounds', 1)} rounds): "
+        f"K=0 {common.fmt_spread(r['k0']['serving_cpu_us_per_token_range'])} µs, "
         f"K={k} {common.fmt_spread(r[f'k{k}']['serving_cpu_us_per_token_range'])} µs "
         f"(target <= {TARGET_SERVING_US:.0f} at K={k}); of it at K={k}: maskroll's pipeline "
         f"{common.fmt_spread(r[f'k{k}']['pipeline_cpu_us_per_token_range'])} µs, gRPC "
         f"{common.fmt_spread(r[f'k{k}']['grpc_layer_cpu_us_per_token_range'])} µs; client K={k} "
-        f"{r[f'k{k}']['client_cpu_us_per_token']} µs; {r[f'k{k}']['tokens_per_chunk']} tokens/chunk; "
+        f"{r[f'k{k}']['client_cpu_us_per_token']} µs; {r[f'k{k}']['tokens_per_chunk']} tokens/chunk, "
+        f"{r[f'k{k}']['tokens_per_message']} tokens/message; "
         f"1-min load {r['load_average_1m'][0]} -> {r['load_average_1m'][1]}"
     )
 
@@ -613,6 +654,7 @@ def summarise(runs: list[dict], args, model_dir: Path, version: str, startup: fl
         "wire_bytes_per_token": round(last["wire_bytes"] / last["tokens"], 1),
         "json_bytes_per_token": round(last["json_bytes"] / last["tokens"], 1),
         "tokens_per_chunk": round(last["tokens"] / last["chunks"], 2),
+        "tokens_per_message": round(last["tokens"] / last.get("messages", last["chunks"]), 2),
         "wire_bytes_per_token_k0": round(last0["wire_bytes"] / last0["tokens"], 1),
         "ratios": {
             "k_vs_k0_inprocess": round(median_ratio(("inprocess", kmax), ("inprocess", 0)), 3),
@@ -677,7 +719,8 @@ def table(r: dict) -> str:
         f"K=0 {common.fmt_spread(r['ratio_ranges']['grpc_vs_inprocess_k0'], 3)} "
         f"(client in the server process: {ratios['grpc_1proc_vs_inprocess_k']:.3f})",
         f"bytes/token at K={k}: wire {r['wire_bytes_per_token']:.0f} (protobuf + gRPC prefix, "
-        f"{r['tokens_per_chunk']:.2f} tokens/chunk), OpenAI JSON logprobs {r['json_bytes_per_token']:.0f}: "
+        f"{r['tokens_per_chunk']:.2f} tokens/chunk, {r['tokens_per_message']:.2f}/message), "
+        f"OpenAI JSON logprobs {r['json_bytes_per_token']:.0f}: "
         f"ratio {ratios['wire_vs_json']:.3f}; at K=0 the wire carries {r['wire_bytes_per_token_k0']:.0f}",
         "",
         "targets: "
@@ -707,6 +750,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--step-ms", type=float, default=4.0, help="--scripted: engine step (one token each)")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="--scripted: each path runs the R requests this many times per repetition (CPU and tokens "
+        "summed), so that one repetition's figure is not one 0.5 s run's noise",
+    )
+    p.add_argument(
         "--chunk-interval-ms",
         type=float,
         help="the replica's chunk_interval_ms (default: the server's default)",
@@ -728,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
             print("done", flush=True)
 
         result = run_grpc_client(
-            args.client, args.model, args.requests, args.tokens, args.k, go=go, done=done
+            args.client, args.model, args.requests, args.tokens, args.k, go=go, done=done, rounds=args.rounds
         )
         print(json.dumps(asyncio.run(result)), flush=True)
         return 0

@@ -117,3 +117,19 @@ def test_server_summary_reports_ranges_of_per_repetition_differences_and_ratios(
     text = server.table(r)
     assert "K=20 15.0 [11.0, 18.0] µs" in text and "K=20 0.800 [0.500, 1.000]" in text
     assert server.headline(r)["serving µs/token K=20"] == 15.0
+
+
+def test_grpc_floor_runs_and_reports_one_repetition_as_its_own_range():
+    args = ["--reps", "1", "--rounds", "1", "--calls", "2", "--messages", "1", "3", "--gap-ms", "1", "--json"]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "grpc_floor.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    r = json.loads(out.stdout)
+    assert (r["calls"], r["messages"], r["reps"]) == (2, [1, 3], 1)
+    for figure in ("server_us_per_call", "server_us_per_message"):
+        s = r[figure]  # one repetition: median, min and max are that repetition's value
+        assert s["median"] == s["min"] == s["max"] and abs(s["median"]) < 1e6
