@@ -237,12 +237,13 @@ def refusal(rec: RolloutRecord, *, run_id: str, policy_version: int) -> tuple[Re
         )
     if rec.run_id != run_id:
         return "foreign_run", f"the record belongs to run {rec.run_id}, not to this trainer's run {run_id}"
-    versions = [rec.policy_version_first, *(v for _, v in rec.version_changes)]
-    if any(b < a for a, b in itertools.pairwise(versions)):
-        return "future_version", (
-            f"its policy version goes backwards within the record ({versions}): the replica switched to "
-            "another run's weights mid-generation"
-        )
+    if rec.version_changes:  # one version (most records) cannot go backwards
+        versions = [rec.policy_version_first, *(v for _, v in rec.version_changes)]
+        if any(b < a for a, b in itertools.pairwise(versions)):
+            return "future_version", (
+                f"its policy version goes backwards within the record ({versions}): the replica switched "
+                "to another run's weights mid-generation"
+            )
     if rec.max_policy_version > policy_version:
         return "future_version", (
             f"policy version {rec.max_policy_version} is ahead of this trainer's version {policy_version}: "

@@ -210,7 +210,11 @@ class RolloutRecord:
     def problems(self) -> list[str]:
         """Why a trainer must not use this record (empty: it may). The checks a decoded record can pass
         and still be wrong: identity, group, versions, and values no engine produces (ranks < 1, NaN or
-        positive logprobs, negative ids, an invalid temperature). Cheap: one pass over each array."""
+        positive logprobs, negative ids, an invalid temperature). Cheap: one pass over each array.
+
+        The trainer queue runs this on every record it reads (batching.refusal), so each attribute is
+        read once and each array check is one ufunc reduction called directly (ndarray.min / max add a
+        Python wrapper per call: ~0.3 µs of a ~1 µs reduction over T = 1024 values)."""
         out = []
         if not self.rollout_id or not (self.job_id or self.request_id):
             out.append("rollout_id and job_id / request_id must be set")
@@ -221,60 +225,60 @@ class RolloutRecord:
         t = sampling.temperature_problem(self.semantics.temperature)
         if t:
             out.append(f"semantics.{t}")
+        n = self.num_tokens
+        topk_ids, topk_logprobs = self.topk_ids, self.topk_logprobs
         k = self.semantics.logprobs_k  # what the record declares; its arrays must have that width
-        if (
-            k < 0
-            or self.topk_ids.shape != (self.num_tokens, k)
-            or self.topk_logprobs.shape != self.topk_ids.shape
-        ):
-            out.append(f"top-K arrays have shape {self.topk_ids.shape}, expected ({self.num_tokens}, {k})")
-        if self.sampled_logprobs.shape != (self.num_tokens,) or self.sampled_ranks.shape != (
-            self.num_tokens,
-        ):
+        if k < 0 or topk_ids.shape != (n, k) or topk_logprobs.shape != topk_ids.shape:
+            out.append(f"top-K arrays have shape {topk_ids.shape}, expected ({n}, {k})")
+        ranks, lp = self.sampled_ranks, self.sampled_logprobs
+        if lp.shape != (n,) or ranks.shape != (n,):
             out.append("sampled_logprobs / sampled_ranks do not have one entry per completion token")
         if self.reward is not None and not math.isfinite(self.reward):
             out.append(f"reward {self.reward} is not a finite number")
-        out += self.teacher_problems()
+        if (
+            self.teacher_semantics is not None
+            or self.teacher_topk_ids is not None
+            or self.teacher_topk_logprobs is not None
+            or self.teacher_sampled_logprobs is not None
+        ):  # else teacher_problems() has nothing to say
+            out += self.teacher_problems()
         if out:
             return out  # the array checks below assume consistent shapes
-        versions = [
-            self.policy_version_first,
-            self.policy_version_last,
-            *(v for _, v in self.version_changes),
-        ]
+        first, last, changes = self.policy_version_first, self.policy_version_last, self.version_changes
+        versions = [first, last, *(v for _, v in changes)] if changes else [first, last]
         if min(versions) < 0:
             out.append(f"negative policy version in {versions}")
-        last = self.version_changes[-1][1] if self.version_changes else self.policy_version_first
-        if self.policy_version_last != last:
-            out.append(
-                f"policy_version_last {self.policy_version_last} is not the version after the last "
-                f"change ({last})"
-            )
-        indices = [i for i, _ in self.version_changes]
-        if any(not 0 < i < self.num_tokens for i in indices) or indices != sorted(set(indices)):
-            out.append(
-                f"version_changes token indices {indices} are not increasing within (0, {self.num_tokens})"
-            )
-        for name, ids in (("prompt_ids", self.prompt_ids), ("completion_ids", self.completion_ids)):
-            if ids.size and ids.min() < 0:
-                out.append(f"{name} holds a negative token id")
-        if self.prompt_ids.size == 0:
+        after = changes[-1][1] if changes else first
+        if last != after:
+            out.append(f"policy_version_last {last} is not the version after the last change ({after})")
+        if changes:
+            indices = [i for i, _ in changes]
+            if any(not 0 < i < n for i in indices) or indices != sorted(set(indices)):
+                out.append(f"version_changes token indices {indices} are not increasing within (0, {n})")
+        minimum, maximum = np.minimum.reduce, np.maximum.reduce
+        prompt, completion = self.prompt_ids, self.completion_ids
+        if prompt.size and minimum(prompt, axis=None) < 0:
+            out.append("prompt_ids holds a negative token id")
+        if completion.size and minimum(completion, axis=None) < 0:
+            out.append("completion_ids holds a negative token id")
+        if prompt.size == 0:
             out.append("prompt_ids is empty")
-        if self.num_tokens:
-            if self.loss_mask is not None and np.shape(self.loss_mask) != (self.num_tokens,):
-                out.append(f"loss_mask has shape {np.shape(self.loss_mask)}, expected ({self.num_tokens},)")
+        if n:
+            mask = self.loss_mask
+            if mask is not None and np.shape(mask) != (n,):
+                out.append(f"loss_mask has shape {np.shape(mask)}, expected ({n},)")
                 return out
             # One reduction per check and no temporary arrays: this runs on every record a trainer reads.
             # min / max propagate NaN, and NaN fails every comparison, so `not lo > x` also catches NaN.
-            ranks = self.sampled_ranks if self.loss_mask is None else self.sampled_ranks[self.generated]
-            if ranks.min(initial=1) < 1:  # 0 where nothing was sampled
+            if mask is not None:
+                ranks = ranks[self.generated]
+            if minimum(ranks, axis=None, initial=1) < 1:  # 0 where nothing was sampled
                 out.append("sampled_ranks holds a rank < 1 (ranks are 1-based)")
-            lp = self.sampled_logprobs
-            if not (lp.min() > -np.inf and lp.max() <= LOGPROB_SLACK):
+            if not (minimum(lp, axis=None) > -np.inf and maximum(lp, axis=None) <= LOGPROB_SLACK):
                 out.append("sampled_logprobs holds a NaN, an infinity or a positive value")
-            if k and not self.topk_logprobs.max() <= LOGPROB_SLACK:
+            if k and not maximum(topk_logprobs, axis=None) <= LOGPROB_SLACK:
                 out.append("topk_logprobs holds a NaN or a positive value")
-            if k and self.topk_ids.min() < 0:
+            if k and minimum(topk_ids, axis=None) < 0:
                 out.append("topk_ids holds a negative token id")
         return out
 

@@ -126,6 +126,70 @@ def test_foreign_and_inconsistent_payloads_are_refused() -> None:
         wire.decode_record(msg.SerializeToString())
 
 
+@pytest.mark.parametrize(
+    ("multi_turn", "field", "message"),
+    [
+        (False, "completion_token_ids", "completion_token_ids: 16 bytes, expected 20 for shape (5,)"),
+        (False, "sampled_logprobs", "sampled_logprobs: 16 bytes, expected 20 for shape (5,)"),
+        (False, "sampled_ranks", "sampled_ranks: 16 bytes, expected 20 for shape (5,)"),
+        (False, "topk_ids", "topk_ids: 56 bytes, expected 60 for shape (5, 3)"),
+        (False, "topk_logprobs", "topk_logprobs: 56 bytes, expected 60 for shape (5, 3)"),
+        (False, "prompt_token_ids", "prompt_token_ids is not a whole number of int32"),
+        (True, "completion_token_ids", "completion_token_ids: 16 bytes, expected 20 for shape (5,)"),
+        (True, "sampled_ranks", "sampled_ranks: 8 bytes, expected 12 for shape (3,)"),  # 3 sampled rows
+        (True, "topk_logprobs", "topk_logprobs: 32 bytes, expected 36 for shape (3, 3)"),
+    ],
+)
+def test_an_array_one_value_short_is_refused_by_name_and_byte_count(multi_turn, field, message) -> None:
+    # 4 bytes short (prompt_token_ids: 1 byte short); the decoder reads single-turn records' arrays
+    # without the multi-turn scatter, and both say the same for the same bytes
+    msg = wire.record_to_pb(_multi_turn_record() if multi_turn else _record())
+    value = getattr(msg, field)
+    setattr(msg, field, value[:-1] if field == "prompt_token_ids" else value[:-4])
+    with pytest.raises(wire.WireError) as e:
+        wire.decode_record(msg.SerializeToString())
+    assert str(e.value) == message
+
+
+def test_the_first_broken_rule_is_the_one_reported() -> None:
+    msg = wire.record_to_pb(_record())
+    msg.finish_reason = 0  # unspecified
+    msg.semantics.logprobs_mode = "raw"
+    msg.topk_ids = msg.topk_ids[:-4]
+    with pytest.raises(wire.WireError, match=r"^finish_reason 0 is not a finished state$"):
+        wire.decode_record(msg.SerializeToString())
+    msg = wire.record_to_pb(_record())
+    msg.prompt_token_ids += b"\x01"
+    msg.sampled_ranks = b""
+    with pytest.raises(wire.WireError, match=r"^prompt_token_ids is not a whole number of int32$"):
+        wire.decode_record(msg.SerializeToString())
+
+
+def test_decoded_arrays_are_native_copies_and_records_share_one_semantics() -> None:
+    a, b = _record(), _record(seed=1)
+    da, db = wire.decode_record(wire.encode_record(a)), wire.decode_record(wire.encode_record(b))
+    for name in ("prompt_ids", "completion_ids", "sampled_logprobs", "sampled_ranks"):
+        x = getattr(da, name)
+        assert x.flags.owndata and x.flags.writeable and x.dtype.isnative, name
+        np.testing.assert_array_equal(x, getattr(a, name))
+    da.completion_ids[0] = 7  # a copy: its payload and the other record are untouched
+    assert da.completion_ids[0] == 7 and db.completion_ids[0] == b.completion_ids[0]
+    # Semantics is frozen: records of equal semantics share one object, of other semantics not
+    assert da.semantics == a.semantics and da.semantics is db.semantics
+    c = _record()
+    c.semantics = Semantics(temperature=0.7, top_p=0.9, top_k=40, logprobs_k=3, engine="torch", model="n")
+    assert wire.decode_record(wire.encode_record(c)).semantics.model == "n"
+    # -0.0 == 0.0, but a record of temperature -0.0 does not come back as 0.0 (nor the reverse)
+    for t in (-0.0, 0.0, -0.0):
+        c.semantics = Semantics(temperature=t, logprobs_k=3)
+        back = wire.decode_record(wire.encode_record(c))
+        assert str(back.semantics.temperature) == str(t)
+        assert back.problems() == [
+            f"semantics.temperature must be finite and > 0, got {t} (there is no greedy mode: the "
+            "record's logprobs must describe a distribution)"
+        ]
+
+
 def test_chunks_reassemble_to_the_record() -> None:
     rec = _record(t=6)
     asm = RecordAssembler()
@@ -290,6 +354,24 @@ def test_semantic_checks_name_what_is_wrong() -> None:
             setattr(rec, name, value)
         problems = rec.problems()
         assert any(needle in p for p in problems), (needle, problems)
+
+
+def test_policy_versions_are_checked_with_and_without_changes() -> None:
+    rec = _record()
+    rec.version_changes, rec.policy_version_first, rec.policy_version_last = [], -1, -1
+    assert rec.problems() == ["negative policy version in [-1, -1]"]
+    rec.policy_version_first = 2
+    assert rec.problems() == [
+        "negative policy version in [2, -1]",
+        "policy_version_last -1 is not the version after the last change (2)",
+    ]
+    rec.version_changes, rec.policy_version_last = [(3, -2), (2, 5)], 5
+    assert rec.problems() == [
+        "negative policy version in [2, 5, -2, 5]",
+        "version_changes token indices [3, 2] are not increasing within (0, 5)",
+    ]
+    rec.version_changes, rec.policy_version_last = [], 2
+    assert rec.problems() == []
 
 
 def test_one_bad_value_anywhere_in_an_array_is_caught() -> None:
