@@ -75,11 +75,28 @@ class QueueUnavailable(ConnectionError):
     """Redis stayed unreachable through the whole retry budget."""
 
 
+# redis-py opens its asyncio streams with asyncio's default 64 KiB buffer limit. A reply past twice that
+# (one 1k-token record is ~177 kB, a trainer's read ~10-20 MB) makes the stream pause and resume the
+# socket every 64 KiB or so, an epoll_ctl each time: ~7 % of a trainer's consumer CPU (docs/benchmarks.md,
+# "Queue"). The limit only says when to stop reading ahead; a reply is read whole either way.
+READ_LIMIT = 16 << 20
+
+
+@functools.cache
+def _read_ahead(cls: type) -> type:
+    """`cls` (a redis-py asyncio Connection class) opening its stream with `READ_LIMIT`."""
+
+    def _connection_arguments(self):
+        return {**cls._connection_arguments(self), "limit": READ_LIMIT}
+
+    return type(cls.__name__, (cls,), {"_connection_arguments": _connection_arguments})
+
+
 def connect(url: str, *, retries: int = 10, socket_timeout: float = 10.0) -> aioredis.Redis:
     """A Redis client with an explicit retry rule: connection errors and timeouts, exponential backoff
     capped at 2 s, `retries` attempts (≈ 15 s in all by default). TLS and passwords come from the URL
     (rediss://, redis://:password@host)."""
-    return aioredis.Redis.from_url(
+    r = aioredis.Redis.from_url(
         url,
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries),
         retry_on_error=list(RETRY_ON),
@@ -87,6 +104,10 @@ def connect(url: str, *, retries: int = 10, socket_timeout: float = 10.0) -> aio
         socket_timeout=socket_timeout,
         health_check_interval=30,
     )
+    pool = r.connection_pool
+    if issubclass(pool.connection_class, aioredis.Connection):  # TCP and TLS; a unix socket keeps its own
+        pool.connection_class = _read_ahead(pool.connection_class)
+    return r
 
 
 def connect_cluster(
@@ -101,6 +122,11 @@ def connect_cluster(
         socket_timeout=socket_timeout,
         health_check_interval=30,
     )
+    # The nodes it discovers are made from these arguments; the startup node (the URL's) exists already.
+    kw = rc.nodes_manager.connection_kwargs
+    kw["connection_class"] = _read_ahead(kw.get("connection_class", aioredis.Connection))
+    for node in rc.nodes_manager.startup_nodes.values():  # no connection is open yet: made on first use
+        node.connection_class = kw["connection_class"]
     # Every command method of the client ends in this one call; pipelines have their own (which retry).
     rc.execute_command = _failover_retry(rc.execute_command, url, failover_budget_s)
     return rc

@@ -288,3 +288,35 @@ def test_a_master_killed_mid_run_is_replaced_and_the_run_goes_on():
     assert max(trained.values()) == 1, "a rollout was trained twice"
     # Loss is bounded by the replication window: jobs submitted within it on the dead master's partition.
     assert lost <= 8 * n, f"{lost} rollouts lost"
+
+
+def test_clients_read_large_replies_with_the_raised_stream_limit(redis_server, redis_cluster):
+    """Both clients' connections open their streams with READ_LIMIT (not asyncio's 64 KiB, which made
+    a 1k-token record's read pause and resume the socket every 64 KiB), and large values round-trip."""
+    from maskroll.proto.redis_conn import READ_LIMIT
+
+    value = bytes(range(256)) * 1200  # 300 kB: past twice the old limit
+
+    async def main(url: str):
+        r, cluster = await open_redis(url)
+        try:
+            await r.set("read-limit-key", value)
+            got = await r.get("read-limit-key")
+            if cluster:
+                node = r.get_node_from_key("read-limit-key")
+                conn = node.acquire_connection()
+                try:
+                    await conn.connect()
+                    return cluster, got, conn._reader._limit
+                finally:
+                    node.release(conn)
+            conn = await r.connection_pool.get_connection()
+            try:
+                return cluster, got, conn._reader._limit
+            finally:
+                await r.connection_pool.release(conn)
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(main(redis_server.url)) == (False, value, READ_LIMIT)
+    assert asyncio.run(main(redis_cluster.url)) == (True, value, READ_LIMIT)
