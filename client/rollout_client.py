@@ -248,18 +248,15 @@ class RolloutClient:
         def call() -> grpc.aio.UnaryStreamCall:
             return self._rollout().Generate(request, metadata=self._metadata, timeout=timeout)
 
-        if not self._multiplex:
-            return ChunkStream(call=call())
-        if self._stream is None or self._stream.failed is not None:
-            self._stream = GenerateStreamCall(self._rollout(), self._metadata)
-        return ChunkStream(lane=self._stream.open(request, timeout), fallback=self._fall_back(call))
-
-    def _fall_back(self, call: Callable[[], grpc.aio.UnaryStreamCall]):
         def fallback() -> grpc.aio.UnaryStreamCall:
             self._multiplex = False  # the replica has no GenerateStream: every later request goes alone
             return call()
 
-        return fallback
+        if not self._multiplex:
+            return ChunkStream(call=call())
+        if self._stream is None or self._stream.failed is not None:
+            self._stream = GenerateStreamCall(self._rollout(), self._metadata)
+        return ChunkStream(lane=self._stream.open(request, timeout), fallback=fallback)
 
     async def generate_records(
         self,

@@ -118,9 +118,6 @@ def rpc_boundary(method: str) -> Callable:
     """Decorate a servicer method (coroutine or async generator) taking (self, request, context).
     The servicer provides `observe_rpc: Observer`."""
 
-    def translate(exc: Exception) -> tuple[grpc.StatusCode, str]:
-        return status_of(method, exc)
-
     def decorate(fn: Callable) -> Callable:
         if inspect.isasyncgenfunction(fn):
 
@@ -137,7 +134,7 @@ def rpc_boundary(method: str) -> Callable:
                     code = _code_name(context)
                     raise
                 except Exception as exc:
-                    status, message = translate(exc)
+                    status, message = status_of(method, exc)
                     code = status.name
                     await context.abort(status, message)
                 finally:
@@ -157,7 +154,7 @@ def rpc_boundary(method: str) -> Callable:
                 code = _code_name(context)
                 raise
             except Exception as exc:
-                status, message = translate(exc)
+                status, message = status_of(method, exc)
                 code = status.name
                 await context.abort(status, message)
             finally:

@@ -1,11 +1,11 @@
 """One GenerateStream call: many Generate requests over one gRPC call, their chunks batched into messages.
 
-gRPC costs the server ~0.35 ms of CPU per call and ~0.1 ms per message on top of maskroll's own work
-(docs/benchmarks.md, "Serving path, third cut"): at 128 tokens a request in ~7 chunks that was half the
-serving path's CPU. Here a client's requests share one call, and every chunk that is ready when the
-previous message has gone leaves in the next one: chunks emitted in the same event-loop turn (the first
-tokens of one engine step, the coalescing timers that fall due together: `pipeline.Coalescing`) share a
-message.
+gRPC costs the server ~0.3 ms of CPU per call and ~0.07 ms per message on top of maskroll's own work
+(bench/grpc_floor.py; docs/benchmarks.md, "Serving path, third cut"): at 128 tokens a request in ~7
+chunks that was half the serving path's CPU. Here a client's requests share one call, and every chunk
+that is ready when the previous message has gone leaves in the next one: chunks emitted in the same
+event-loop turn (the first tokens of one engine step, the coalescing timers that fall due together:
+`pipeline.Coalescing`) share a message.
 
     session = StreamSession(run, observe, max_message_bytes)
     async for message in session.messages(requests):   # bytes of a pb.StreamEvents
@@ -119,13 +119,9 @@ class StreamSession:
 
     async def _request(self, tag: int, request: pb.GenerateRequest) -> None:
         t0, code = time.perf_counter(), grpc.StatusCode.OK
-        head = _TAG + varint.encode(tag) + _CHUNK  # every chunk event's first bytes
         try:
             async for chunk in self._run(request):
-                body = chunk.SerializeToString()
-                size = varint.encode(len(body))
-                length = varint.encode(len(head) + len(size) + len(body))
-                self._put(b"".join((_EVENTS, length, head, size, body)))
+                self._put(_framed(tag, _CHUNK, chunk.SerializeToString()))
             self._put(end_event(tag))
         except asyncio.CancelledError:  # the client cancelled it, or the call ended: nobody waits for an end
             code = grpc.StatusCode.CANCELLED

@@ -91,6 +91,12 @@ class Requests:
         return m
 
 
+def session_of(steps: int, max_message_bytes: int = 1 << 20) -> tuple[Script, Requests, StreamSession]:
+    """A session running `Script(steps)`'s requests, and the client side that feeds it."""
+    script = Script(steps)
+    return script, Requests(), StreamSession(script.run, script.observe, max_message_bytes)
+
+
 async def collect(session: StreamSession, requests: Requests) -> list[list[pb.StreamEvent]]:
     return [list(pb.StreamEvents.FromString(m).events) async for m in session.messages(requests)]
 
@@ -102,8 +108,7 @@ async def settle() -> None:
 
 def test_chunks_of_one_step_share_a_message_then_every_request_ends():
     async def main():
-        script, requests = Script(steps=3), Requests()
-        session = StreamSession(script.run, script.observe, max_message_bytes=1 << 20)
+        script, requests, session = session_of(3)
         for tag in (1, 2, 3, 4):
             requests.generate(tag, f"r{tag}")
         requests.close()
@@ -126,8 +131,7 @@ def test_chunks_of_one_step_share_a_message_then_every_request_ends():
 
 def test_a_message_holds_what_fits_and_at_least_one_event():
     async def main(limit: int):
-        script, requests = Script(steps=1), Requests()
-        session = StreamSession(script.run, script.observe, max_message_bytes=limit)
+        script, requests, session = session_of(1, limit)
         for tag in range(1, 7):
             requests.generate(tag, "x" * 40)
         requests.close()
@@ -151,8 +155,7 @@ def test_a_message_holds_what_fits_and_at_least_one_event():
 
 def test_errors_end_their_request_with_its_status_and_cancel_ends_it_silently():
     async def main():
-        script, requests = Script(steps=2), Requests()
-        session = StreamSession(script.run, script.observe, max_message_bytes=1 << 20)
+        script, requests, session = session_of(2)
         requests.generate(1, "bad-1")
         requests.generate(2, "crash-2")
         requests.generate(3, "ok-3")
@@ -195,8 +198,7 @@ def test_errors_end_their_request_with_its_status_and_cancel_ends_it_silently():
 
 def test_leaving_the_call_cancels_every_running_request():
     async def main():
-        script, requests = Script(steps=5), Requests()
-        session = StreamSession(script.run, script.observe, max_message_bytes=1 << 20)
+        script, requests, session = session_of(5)
         requests.generate(1, "a")
         requests.generate(2, "b")
         messages = session.messages(requests)
