@@ -292,16 +292,20 @@ def test_an_invalid_request_fails_alone(fake):
 
     async def main():
         async with RolloutClient(r.address) as c:
-            return await asyncio.gather(
+            good, bad = await asyncio.gather(
                 c.generate_record([1, 2], options(1, n=1)),
                 c.generate_record([1, 999], options(2, n=1)),  # 999 is past the vocabulary
                 return_exceptions=True,
             )
+            call = c._stream
+            after = await c.generate_record([3, 4], options(3, n=1, max_tokens=5))  # the same call serves on
+            return good, bad, after, call is c._stream and call.failed is None
 
-    good, bad = asyncio.run(main())
+    good, bad, after, same_call = asyncio.run(main())
     assert len(good.completion_ids) == 12
     assert isinstance(bad, RolloutError) and bad.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt" in bad.message
+    assert len(after.completion_ids) == 5 and same_call
 
 
 def test_a_replica_without_generate_stream_gets_one_call_per_request(fake, server_loop):  # noqa: F811
