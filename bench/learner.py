@@ -259,7 +259,9 @@ def fill(url: str, ns: str, records: int, tokens: int) -> None:
     tpl = qb.templates(tokens, 20, qb.GROUP)
 
     async def run() -> None:
-        r, _, send = qb.job_sender("maskroll", url, StreamKeys(ns).rollouts, tpl, [], max_len=2 * records)
+        r, _, send = qb.job_sender(
+            "maskroll", url, StreamKeys(ns).rollouts, tpl, [], max_len=2 * records, jobs=records // qb.GROUP
+        )
         for j in range(records // qb.GROUP):
             await send(j)
         await r.aclose()

@@ -5,8 +5,9 @@ like real ones (int32 ids, float32 logprobs, [T, K] top-K arrays, a 256-token pr
 G = 8 per job, and N records go end to end through a private redis-server (LocalRedis, no AOF):
 
     maskroll     RolloutPublisher.publish(one job's records) → RolloutQueue.next_batch(64) → ack.
-                 publish encodes (wire.encode_record) and XADDs the group in one MULTI (with an XLEN
-                 that tells the next publish whether it must check the bound first); next_batch reads
+                 publish encodes (wire.record_pieces: the header, then views of the record's arrays,
+                 sent unjoined) and XADDs the group in one MULTI (with an XLEN that tells the next
+                 publish whether it must check the bound first); next_batch reads
                  (XREADGROUP COUNT 128), decodes (wire.decode_record), checks every record (problems(),
                  run, version) and the `done` markers (ZMSCORE) and buffers whole groups; ack is XACK +
                  XDEL + ZADD done (+ ZREMRANGEBYSCORE of old ones) in one MULTI.
@@ -207,15 +208,20 @@ def _report(results, role: str, fn, cfg: dict) -> None:
         raise
 
 
-def job_sender(mode: str, url: str, stream: str, tpl: list, pool: list, max_len: int) -> tuple:
+def job_sender(mode: str, url: str, stream: str, tpl: list, pool: list, max_len: int, jobs: int) -> tuple:
     """`mode`'s producer side, chosen once: (redis.asyncio client, publisher or None, send), where the
-    coroutine `send(j)` puts job j's GROUP records into `stream`:
+    coroutine `send(j)` (0 <= j < jobs) puts job j's GROUP records into `stream`:
 
         maskroll     RolloutPublisher.publish of fresh records (new ids per job)
         raw          one MULTI of XADDs of pool[j % len(pool)], pre-encoded (raw+decode sends the same)
         raw+codec    one MULTI of XADDs of fresh records, encode_record'd here
 
-    The timed producer and --breakdown's producer steps both send through it."""
+    The fresh records of all `jobs` jobs are built here, before any clock starts: building them is the
+    replica's work (its generation pipeline makes each record once), not the queue's, and the raw modes
+    send pre-made bytes. (Until 2026-12-02 each job's records were built inside the timed loop, ~20 µs a
+    record of dataclasses.replace on the maskroll side only.) The timed producer and --breakdown's
+    producer steps both send through it."""
+    fresh = [] if mode in ("raw", "raw+decode") else [job_records(tpl, uuid.uuid4().hex) for _ in range(jobs)]
     if mode == "maskroll":
         from maskroll.proto.redis_conn import connect
         from maskroll.server.pull.publisher import RolloutPublisher
@@ -224,7 +230,7 @@ def job_sender(mode: str, url: str, stream: str, tpl: list, pool: list, max_len:
         pub = RolloutPublisher(r, stream, max_len=max_len)
 
         async def publish(j: int) -> None:
-            await pub.publish(job_records(tpl, uuid.uuid4().hex))
+            await pub.publish(fresh[j])
 
         return r, pub, publish
 
@@ -251,7 +257,7 @@ def job_sender(mode: str, url: str, stream: str, tpl: list, pool: list, max_len:
         # its last batch: glibc then never trims the heap between jobs, unlike after each publish. The
         # raw+codec figures in docs/benchmarks.md ("Checks") were measured that way.
         nonlocal held
-        held = [wire.encode_record(x) for x in job_records(tpl, uuid.uuid4().hex)]
+        held = [wire.encode_record(x) for x in fresh[j]]
         await xadd(held)
 
     return r, None, raw_codec if mode == "raw+codec" else raw
@@ -267,7 +273,7 @@ def producer(cfg: dict, ready, go, acked, results) -> None:
 
     async def run() -> dict:
         bound = max(SERVE_MAX_LEN, 2 * (window + 4 * BATCH))
-        r, pub, send = job_sender(mode, cfg["url"], stream, tpl, pool, max_len=bound)
+        r, pub, send = job_sender(mode, cfg["url"], stream, tpl, pool, max_len=bound, jobs=jobs)
         await r.ping()
         ready.put("producer")
         go.wait()
@@ -665,7 +671,7 @@ async def produce_alone(url: str, mode: str, tpl: list, pool: list, n: int) -> N
     from maskroll.proto.streams import StreamKeys
 
     stream = StreamKeys(f"b{uuid.uuid4().hex[:6]}").rollouts
-    r, _, send = job_sender(mode, url, stream, tpl, pool, max_len=10**9)
+    r, _, send = job_sender(mode, url, stream, tpl, pool, max_len=10**9, jobs=n // GROUP)
     await r.ping()
     for j in range(n // GROUP):
         await send(j)

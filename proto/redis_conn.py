@@ -82,14 +82,72 @@ class QueueUnavailable(ConnectionError):
 READ_LIMIT = 16 << 20
 
 
+class Pieces:
+    """One bulk-string argument given as the buffers it is made of, in order: a connection of
+    `connect` / `connect_cluster` sends them one after the other, as redis-py sends any large argument,
+    never joined into one bytes object first. A record's payload is its header and its arrays
+    (wire.record_pieces): joining them cost a replica a copy of every record it published, over a quarter
+    of its publishing CPU at 8k tokens a record (docs/benchmarks.md, "Queue"). The buffers must not
+    change until the command's reply has come. Plain redis-py clients cannot send one: `sends_pieces` says which can."""
+
+    __slots__ = ("nbytes", "pieces")
+
+    def __init__(self, pieces: list[bytes | memoryview]) -> None:
+        self.pieces = [p if isinstance(p, bytes) else memoryview(p).cast("B") for p in pieces]
+        self.nbytes = sum(map(len, self.pieces))
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+def _pack_pieces(encoder, args: tuple) -> list:
+    """redis-py's pack_command (a RESP array of bulk strings) of `args`, each Pieces argument's buffers
+    placed as they are; pack_commands then sends the memoryviews unjoined and joins the small bytes with
+    their neighbours, as it does for redis-py's own output."""
+    if isinstance(args[0], str):  # a command name given as "CONFIG GET" is two arguments, as in redis-py
+        args = (*args[0].encode().split(), *args[1:])
+    out: list = []
+    buff: list = [b"*%d\r\n" % len(args)]
+    for a in args:
+        if type(a) is Pieces:
+            buff.append(b"$%d\r\n" % a.nbytes)
+            out.append(b"".join(buff))
+            out += a.pieces
+            buff = [b"\r\n"]
+        else:
+            a = encoder.encode(a)
+            buff += (b"$%d\r\n" % len(a), a, b"\r\n")
+    out.append(b"".join(buff))
+    return out
+
+
 @functools.cache
-def _read_ahead(cls: type) -> type:
-    """`cls` (a redis-py asyncio Connection class) opening its stream with `READ_LIMIT`."""
+def _connection_class(cls: type) -> type:
+    """`cls` (a redis-py asyncio connection class) sending `Pieces` arguments and, over TCP or TLS, opening
+    its stream with `READ_LIMIT` (a unix socket opens its own)."""
 
-    def _connection_arguments(self):
-        return {**cls._connection_arguments(self), "limit": READ_LIMIT}
+    def pack_command(self, *args) -> list:
+        if any(type(a) is Pieces for a in args):
+            return _pack_pieces(self.encoder, args)
+        return cls.pack_command(self, *args)
 
-    return type(cls.__name__, (cls,), {"_connection_arguments": _connection_arguments})
+    body: dict = {"pack_command": pack_command, "sends_pieces": True}
+    if issubclass(cls, aioredis.Connection):
+
+        def _connection_arguments(self):
+            return {**cls._connection_arguments(self), "limit": READ_LIMIT}
+
+        body["_connection_arguments"] = _connection_arguments
+    return type(cls.__name__, (cls,), body)
+
+
+def sends_pieces(r: aioredis.Redis | RedisCluster) -> bool:
+    """Whether `r`'s connections send `Pieces` arguments (those of `connect` and `connect_cluster` do)."""
+    if isinstance(r, RedisCluster):
+        cls = r.nodes_manager.connection_kwargs.get("connection_class")
+    else:
+        cls = r.connection_pool.connection_class
+    return bool(getattr(cls, "sends_pieces", False))
 
 
 def connect(url: str, *, retries: int = 10, socket_timeout: float = 10.0) -> aioredis.Redis:
@@ -104,9 +162,7 @@ def connect(url: str, *, retries: int = 10, socket_timeout: float = 10.0) -> aio
         socket_timeout=socket_timeout,
         health_check_interval=30,
     )
-    pool = r.connection_pool
-    if issubclass(pool.connection_class, aioredis.Connection):  # TCP and TLS; a unix socket keeps its own
-        pool.connection_class = _read_ahead(pool.connection_class)
+    r.connection_pool.connection_class = _connection_class(r.connection_pool.connection_class)
     return r
 
 
@@ -124,7 +180,7 @@ def connect_cluster(
     )
     # The nodes it discovers are made from these arguments; the startup node (the URL's) exists already.
     kw = rc.nodes_manager.connection_kwargs
-    kw["connection_class"] = _read_ahead(kw.get("connection_class", aioredis.Connection))
+    kw["connection_class"] = _connection_class(kw.get("connection_class", aioredis.Connection))
     for node in rc.nodes_manager.startup_nodes.values():  # no connection is open yet: made on first use
         node.connection_class = kw["connection_class"]
     # Every command method of the client ends in this one call; pipelines have their own (which retry).

@@ -413,14 +413,22 @@ def encode_record(r: RolloutRecord) -> bytes:
     is the same message as record_to_pb(r).SerializeToString(), with the arrays last — without the two
     intermediate copies (tobytes, then protobuf's own) and the temporary buffers that made a replica
     page-fault every payload back in after each publish (docs/benchmarks.md, Queue)."""
-    parts: list = [record_to_pb(r, arrays=False).SerializeToString()]
-    at = len(parts[0])
+    return b"".join(record_pieces(r))
+
+
+def record_pieces(r: RolloutRecord) -> list[bytes | memoryview]:
+    """encode_record's payload as the pieces it joins: the header, then each array field's tag and length
+    (bytes) and its contents (a flat byte view of the record's own array, not a copy). The publisher hands
+    these to Redis as they are (redis_conn.Pieces), so a published record is never copied into a payload
+    of its own; the record's arrays must then stay unchanged until the publish returns."""
+    pieces: list[bytes | memoryview] = [record_to_pb(r, arrays=False).SerializeToString()]
+    at = len(pieces[0])
     for _, number, a in _record_arrays(r):
         if a.size:  # proto3 leaves empty bytes fields out; so does this
             head = _field_head(number, a.nbytes, at % 4)
-            parts += (head, a)
+            pieces += (head, memoryview(a).cast("B"))
             at += len(head) + a.nbytes
-    return b"".join(parts)
+    return pieces
 
 
 def decode_record(data: bytes) -> RolloutRecord:

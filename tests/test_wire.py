@@ -605,3 +605,26 @@ def test_fuzz_mutated_record_fields_decode_or_are_refused(field, value, text, te
     del msg.version_changes[:]
     msg.version_changes.extend(pb.VersionChange(token_index=i, version=v) for i, v in changes)
     _decode_or_refuse(msg.SerializeToString())
+
+
+def test_pieces_pack_to_the_bytes_redis_py_sends_for_the_joined_payload() -> None:
+    """The publisher's Pieces argument (redis_conn) is framed exactly as redis-py frames encode_record's
+    joined bytes, for every array layout, so Redis stores the same value; its arrays go out as views of
+    the record's own arrays, not copies; a command without Pieces is packed by redis-py itself."""
+    import redis.asyncio as aioredis
+
+    from maskroll.proto.redis_conn import Pieces, connect, sends_pieces
+
+    ours, plain = connect("redis://127.0.0.1:1"), aioredis.Redis.from_url("redis://127.0.0.1:1")
+    assert sends_pieces(ours) and not sends_pieces(plain)
+    conn, ref = ours.connection_pool.make_connection(), plain.connection_pool.make_connection()
+    recs = [_record(t=40, k=5), _multi_turn_record(), _with_teacher(_record(t=9)), _record(t=0)]
+    pieces = [Pieces(wire.record_pieces(r)) for r in recs]
+    assert [p.nbytes for p in pieces] == [len(wire.encode_record(r)) for r in recs]
+    cmds = [("XADD", "rollouts", "*", "r", p) for p in pieces] + [("XLEN", "rollouts")]
+    want = [("XADD", "rollouts", "*", "r", wire.encode_record(r)) for r in recs] + [("XLEN", "rollouts")]
+    assert b"".join(conn.pack_commands(cmds)) == b"".join(ref.pack_commands(want))
+    assert conn.pack_command("CONFIG GET", "maxmemory") == ref.pack_command("CONFIG GET", "maxmemory")
+    views = [p for p in pieces[0].pieces if isinstance(p, memoryview)]
+    assert len(views) == 5 and np.shares_memory(np.frombuffer(views[3], np.int32), recs[0].topk_ids)
+    assert len([p for p in pieces[3].pieces if isinstance(p, memoryview)]) == 0  # zero tokens: no arrays

@@ -24,7 +24,7 @@ from redis.exceptions import ResponseError
 
 from maskroll.proto import wire
 from maskroll.proto.records import PromptJob, RolloutRecord
-from maskroll.proto.redis_conn import transaction
+from maskroll.proto.redis_conn import Pieces, sends_pieces, transaction
 from maskroll.proto.streams import F_JOB_ERROR, F_REASON, F_RECORD, StreamKeys
 
 from ..metrics import Metrics
@@ -56,6 +56,9 @@ class RolloutPublisher:
         self.wait_timeout_s = wait_timeout_s
         self.poll_s = poll_s
         self._seen: dict[str, int] = {}  # stream -> its length right after our last publish to it
+        # A record goes out as its pieces (header, arrays), never copied into a payload of its own, where
+        # the client can send them (redis_conn.connect's can; a plain redis-py client gets bytes).
+        self._pieces = sends_pieces(redis)
 
     async def publish(
         self, records: Sequence[RolloutRecord], stream: str | None = None, *, wait_s: float | None = None
@@ -63,7 +66,10 @@ class RolloutPublisher:
         """XADD all records of one job in one transaction (all or none); returns their entry ids.
         wait_s: how long to wait for room in a full stream (default: wait_timeout_s), then PublishTimeout."""
         stream = stream or self.stream
-        payloads = [wire.encode_record(r) for r in records]
+        if self._pieces:
+            payloads: list = [Pieces(wire.record_pieces(r)) for r in records]
+        else:
+            payloads = [wire.encode_record(r) for r in records]
         started = time.monotonic()
         wait_s = self.wait_timeout_s if wait_s is None else wait_s
         deadline = started + wait_s

@@ -320,3 +320,72 @@ def test_clients_read_large_replies_with_the_raised_stream_limit(redis_server, r
 
     assert asyncio.run(main(redis_server.url)) == (False, value, READ_LIMIT)
     assert asyncio.run(main(redis_cluster.url)) == (True, value, READ_LIMIT)
+
+
+def _records_for_pieces() -> list:
+    """Records of every array layout: single-turn, multi-turn (logprobs travel only where sampled), with
+    a teacher's arrays, and zero tokens (no array field at all)."""
+    from maskroll.proto.records import RolloutRecord, Semantics
+
+    rng = np.random.default_rng(0)
+
+    def rec(t: int, k: int = 5, **extra) -> RolloutRecord:
+        return RolloutRecord(
+            rollout_id=f"r{t}",
+            request_id="req",
+            prompt_ids=rng.integers(0, 250, 7).astype(np.int32),
+            completion_ids=rng.integers(0, 250, t).astype(np.int32),
+            sampled_logprobs=-rng.random(t).astype(np.float32),
+            sampled_ranks=rng.integers(1, 9, t).astype(np.int32),
+            topk_ids=rng.integers(0, 250, (t, k)).astype(np.int32),
+            topk_logprobs=-np.sort(rng.random((t, k)).astype(np.float32), axis=1),
+            finish_reason="length",
+            semantics=Semantics(temperature=0.7, logprobs_k=k, engine="torch", model="m"),
+            **extra,
+        )
+
+    multi = rec(
+        5, loss_mask=np.array([1, 1, 0, 0, 1], bool), segment_starts=[2], num_turns=2, schema_version=2
+    )
+    for name in ("sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs"):
+        getattr(multi, name)[2:4] = 0
+    teacher = rec(
+        9,
+        teacher_topk_ids=rng.integers(0, 250, (9, 4)).astype(np.int32),
+        teacher_topk_logprobs=-np.sort(rng.random((9, 4)).astype(np.float32), axis=1),
+        teacher_sampled_logprobs=-rng.random(9).astype(np.float32),
+        teacher_semantics=Semantics(temperature=1.0, logprobs_k=4, engine="torch", model="t"),
+        teacher_policy_version=7,
+    )
+    return [rec(40), multi, teacher, rec(0)]
+
+
+def test_the_publisher_stores_records_sent_as_pieces_byte_for_byte(redis_server, redis_cluster):
+    """On one Redis and on a cluster (where a transaction is a script), the publisher's client sends each
+    record as its pieces, and the stream holds exactly encode_record's bytes; a plain redis-py client,
+    which cannot send pieces, gets the joined bytes and stores the same."""
+    import redis.asyncio as aioredis
+
+    from maskroll.proto import wire
+    from maskroll.proto.streams import F_RECORD
+    from maskroll.server.pull.publisher import RolloutPublisher
+
+    recs = _records_for_pieces()
+
+    async def publish(url: str, plain: bool) -> tuple[bool, list[bytes]]:
+        r = aioredis.Redis.from_url(url) if plain else (await open_redis(url))[0]
+        stream = "{pieces}:rollouts"
+        try:
+            pub = RolloutPublisher(r, stream)
+            ids = await pub.publish(recs)
+            entries = await r.xrange(stream)
+            await r.delete(stream)
+            assert [e[0] for e in entries] == ids
+            return pub._pieces, [fields[F_RECORD] for _, fields in entries]
+        finally:
+            await r.aclose()
+
+    want = [wire.encode_record(r) for r in recs]
+    assert asyncio.run(publish(redis_server.url, False)) == (True, want)
+    assert asyncio.run(publish(redis_cluster.url, False)) == (True, want)
+    assert asyncio.run(publish(redis_server.url, True)) == (False, want)
