@@ -88,7 +88,8 @@ class Pieces:
     never joined into one bytes object first. A record's payload is its header and its arrays
     (wire.record_pieces): joining them cost a replica a copy of every record it published, over a quarter
     of its publishing CPU at 8k tokens a record (docs/benchmarks.md, "Queue"). The buffers must not
-    change until the command's reply has come. Plain redis-py clients cannot send one: `sends_pieces` says which can."""
+    change until the command's reply has come. Plain redis-py clients cannot send one: `sends_pieces`
+    says which can."""
 
     __slots__ = ("nbytes", "pieces")
 

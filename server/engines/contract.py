@@ -90,7 +90,10 @@ class EngineRequest:
 
 @dataclass
 class EngineOutput:
-    """Tokens produced since the previous output of the same request, all under one policy version."""
+    """Tokens produced since the previous output of the same request, all under one policy version.
+
+    Once yielded, its arrays are the consumer's: the engine must not write to them afterwards (the
+    serving path keeps them, uncopied, until it joins a chunk: records_builder.SampleBuilder.hold)."""
 
     token_ids: np.ndarray  # int32 [t]
     sampled_logprobs: np.ndarray  # float32 [t]

@@ -7,8 +7,9 @@ running when the request is aborted, ends with an "abort" record), and how strea
 into chunks (`Coalescing`: a sample's held tokens wait at most `chunk_interval_ms`; its first tokens and
 its last chunk go at once). `records()` builds no chunk at all. Callers add only their transport:
 
-- `servicer.Generate` (gRPC): converts protobuf in and out, refuses a duplicate request id in flight
-  (ALREADY_EXISTS), tracks requests for drain, counts metrics, publishes to `rollout_stream`.
+- `servicer.Generate` / `GenerateStream` (gRPC): converts protobuf in and out, refuses a duplicate request
+  id in flight (ALREADY_EXISTS), tracks requests for drain, counts metrics, publishes to `rollout_stream`;
+  a GenerateStream call's requests take their chunks through `push`, straight into the call's outbox.
 - `jobs.JobRunner` (pull mode): maps InvalidArgument to JobRejected, gives every run of a job its own
   engine ids (a reclaimed job may run twice at once here), returns the records.
 - `openai_serving` (HTTP / OpenAI): checks a call's prompt and options once (`check`, all n choices),
@@ -23,6 +24,7 @@ its last chunk go at once). `records()` builds no chunk at all. Callers add only
     async with contextlib.aclosing(gen.stream()) as chunks:
         async for chunk in chunks:                        # RolloutChunk, in order over the n samples
             ...                                           # chunk.record is set on each sample's last chunk
+    # or: await gen.push(send)                            # send(chunk) called as each chunk is made
     # or: records = await gen.records()                   # the n records, by sample index
     gen.abort()                                           # from anywhere (drain): see Generation.abort
 
@@ -37,8 +39,10 @@ protobuf, Redis or metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -51,6 +55,8 @@ from ..engines.contract import AdapterRef, Engine, EngineOutput, SamplingParams
 from . import validation
 from .fanout import FanOut
 from .records_builder import RecordHeader, SampleBuilder, semantics_for
+
+Send = Callable[[RolloutChunk], None]  # takes a chunk as soon as it is made (Generation.push)
 
 
 class Coalescing(NamedTuple):
@@ -78,8 +84,13 @@ class _StreamedSample:
     for the sample's first tokens, its last output (with the record), before tokens of a new policy
     version, and when it holds `max_tokens`; otherwise `interval_s` after its first held token."""
 
-    def __init__(self, builder: SampleBuilder, fan: FanOut, rule: Coalescing, max_tokens: int) -> None:
+    def __init__(
+        self, builder: SampleBuilder, fan: FanOut, rule: Coalescing, max_tokens: int, send: Send | None
+    ) -> None:
         self.builder, self._fan, self._max_tokens = builder, fan, max_tokens
+        # Where a chunk goes: to the consumer through the fan-out's queue (stream()), or straight to the
+        # caller's callback (push(): no task wake per chunk).
+        self._deliver = send or functools.partial(fan.emit, builder.sample_index)
         self._interval = rule.interval_s
         # Timers fall due on a grid of interval / 8, so that the samples whose tokens came in the same
         # stretch of time send their chunks in one event-loop turn (one message on a GenerateStream
@@ -109,15 +120,13 @@ class _StreamedSample:
         self._timer = None
         if self.builder.held_tokens and not self.builder.finished:
             try:
-                chunk = self.builder.take_chunk()
+                self._send(self.builder.take_chunk())
             except Exception as exc:  # a timer has no caller: the consumer raises it, as a pump's error
                 self._fan.emit(self.builder.sample_index, exc)
-                return
-            self._send(chunk)
 
     def _send(self, chunk: RolloutChunk) -> None:
         self.cancel_timer()
-        self._fan.emit(self.builder.sample_index, chunk)
+        self._deliver(chunk)
 
     def cancel_timer(self) -> None:
         if self._timer is not None:
@@ -188,13 +197,28 @@ class Generation:
         does nothing."""
         self._fan.abort()
 
-    async def stream(self) -> AsyncIterator[RolloutChunk]:
+    def stream(self) -> AsyncIterator[RolloutChunk]:
         """Every chunk of the n samples in order; each sample's last chunk carries its record. A chunk
         holds one or more engine outputs' tokens, all of one policy version (`Coalescing`)."""
+        return self._chunks(None)
+
+    async def push(self, send: Send) -> None:
+        """stream()'s chunks, in the same order, each handed to `send(chunk)` as soon as it is made, in
+        the task that made it (an engine stream's, or a coalescing timer): the caller's task does not
+        wake for each chunk, as it does to read stream(). `send` must not block; what it raises fails
+        the request, as an engine error would. Returns when every sample has sent its last chunk."""
+        async with contextlib.aclosing(self._chunks(send)) as chunks:
+            async for chunk in chunks:  # the chunks made here rather than by a sample: aborted samples'
+                send(chunk)
+
+    async def _chunks(self, send: Send | None) -> AsyncIterator[RolloutChunk]:
+        """Runs the request. Yields every chunk when `send` is None; else the samples hand their chunks
+        to `send` themselves, and only the last chunks of aborted samples are yielded."""
         self._start()
         most = self._rule.tokens_per_chunk(self.header.logprobs_k)
         samples = [
-            _StreamedSample(SampleBuilder(self.header, i), self._fan, self._rule, most) for i in range(self.n)
+            _StreamedSample(SampleBuilder(self.header, i), self._fan, self._rule, most, send)
+            for i in range(self.n)
         ]
         self._fan.sinks = [sample.add for sample in samples]
         try:

@@ -134,18 +134,17 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     @rpc_boundary("GenerateStream")
     async def GenerateStream(self, requests, context):
-        """Many Generate requests over one call, each run by `serve_request` (session.py); yields the
+        """Many Generate requests over one call, each run by `push_request` (session.py); yields the
         bytes of each pb.StreamEvents message (its handler's response serializer is the identity)."""
         # At once, so that the client's first write cannot race a refusal (client/generate_stream.py).
         await context.send_initial_metadata(())
-        stream = StreamSession(self.serve_request, self.observe_rpc, self._config.max_message_bytes)
+        stream = StreamSession(self.push_request, self.observe_rpc, self._config.max_message_bytes)
         async with contextlib.aclosing(stream.messages(requests)) as messages:
             async for message in messages:
                 yield message
 
     async def serve_request(self, request: pb.GenerateRequest):
-        """One Generate request's chunks (pb.GenerateChunk), whichever call carries it; raises what the
-        call ends with."""
+        """One Generate request's chunks (pb.GenerateChunk); raises what the call ends with."""
         self._check_serving()
         # The namespace's current adapter samples every token (None: the engine's weights); held
         # resident until the request ends, however it ends.
@@ -154,7 +153,18 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 async for chunk in chunks:
                     yield chunk
 
-    async def _generate(self, request: pb.GenerateRequest, adapter):
+    async def push_request(self, request: pb.GenerateRequest, send) -> None:
+        """serve_request with each chunk handed to `send(pb.GenerateChunk)` as soon as it is made
+        (pipeline.Generation.push), for a GenerateStream call's outbox; returns when the request has ended
+        (its records published), raises what a Generate call would end with."""
+        self._check_serving()
+        with self.adapters.use(request.namespace) as adapter:
+            async with contextlib.aclosing(self._generate(request, adapter, send)) as nothing:
+                async for _ in nothing:  # pushing: the generator yields nothing
+                    pass
+
+    async def _generate(self, request: pb.GenerateRequest, adapter, send=None):
+        """Run one request: yields its pb.GenerateChunk messages, or hands them to `send` (yielding none)."""
         gen = self._pipeline.prepare(
             wire.prompt_from_pb(request),
             wire.options_from_pb(request.options),
@@ -175,14 +185,21 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         finished = []  # records, published to `stream` once the request is complete
         arrays = request.include_record_arrays
         tracker = self._metrics.generate_started(gen.logprobs_k)
+
+        def served(chunk) -> pb.GenerateChunk:
+            tracker.tokens(len(chunk.token_ids))
+            if chunk.record is not None:
+                finished.append(chunk.record)
+            return wire.chunk_to_pb(chunk, record_arrays=arrays)
+
         self._running.add(gen)
         try:
-            async with contextlib.aclosing(gen.stream()) as chunks:
-                async for chunk in chunks:
-                    tracker.tokens(len(chunk.token_ids))
-                    if chunk.record is not None:
-                        finished.append(chunk.record)
-                    yield wire.chunk_to_pb(chunk, record_arrays=arrays)
+            if send is None:
+                async with contextlib.aclosing(gen.stream()) as chunks:
+                    async for chunk in chunks:
+                        yield served(chunk)
+            else:
+                await gen.push(lambda chunk: send(served(chunk)))
             # A group with aborted samples would never be whole on the queue: it is not published.
             if stream and all(r.finish_reason != "abort" for r in finished):
                 await self._publisher.publish(finished, stream)

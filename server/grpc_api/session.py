@@ -11,7 +11,7 @@ event-loop turn (the first tokens of one engine step, the coalescing timers that
     async for message in session.messages(requests):   # bytes of a pb.StreamEvents
         yield message
 
-Each request runs as a task of its own through `run` (the servicer's `serve_request`: the same checks,
+Each request runs as a task of its own through `run` (the servicer's `push_request`: the same checks,
 adapter, records and metrics as a Generate call), and ends with a StreamEnd event carrying the status
 a Generate call would have ended with; a request the client cancels ends without one (the client has
 forgotten it). The call ends when the client has stopped sending and every request has ended; when the
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -33,8 +33,9 @@ from maskroll.proto._generated import rollout_pb2 as pb
 
 from .errors import Observer, status_of
 
-# A request: pb.GenerateRequest -> its pb.GenerateChunk messages (raises what Generate would abort with).
-Run = Callable[[pb.GenerateRequest], AsyncIterator[pb.GenerateChunk]]
+# Runs a request, handing each of its pb.GenerateChunk messages to the callback as soon as it is made
+# (raises what Generate would abort with).
+Run = Callable[[pb.GenerateRequest, Callable[[pb.GenerateChunk], None]], Awaitable[None]]
 
 _EVENTS = b"\x0a"  # StreamEvents.events (1, length-delimited)
 _TAG = b"\x08"  # StreamEvent.tag (1, varint)
@@ -120,8 +121,7 @@ class StreamSession:
     async def _request(self, tag: int, request: pb.GenerateRequest) -> None:
         t0, code = time.perf_counter(), grpc.StatusCode.OK
         try:
-            async for chunk in self._run(request):
-                self._put(_framed(tag, _CHUNK, chunk.SerializeToString()))
+            await self._run(request, lambda chunk: self._put(_framed(tag, _CHUNK, chunk.SerializeToString())))
             self._put(end_event(tag))
         except asyncio.CancelledError:  # the client cancelled it, or the call ended: nobody waits for an end
             code = grpc.StatusCode.CANCELLED

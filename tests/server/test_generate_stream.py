@@ -29,7 +29,8 @@ def chunk(request: pb.GenerateRequest, i: int) -> pb.GenerateChunk:
 
 
 class Script:
-    """Each request's `run`: a chunk per step, the steps released for every request at once."""
+    """Each request's `run` (the servicer's push_request): a chunk per step, handed to `send`, the steps
+    released for every request at once."""
 
     def __init__(self, steps: int) -> None:
         self.steps = steps
@@ -43,7 +44,7 @@ class Script:
             self.released += 1
             self._step.notify_all()
 
-    async def run(self, request: pb.GenerateRequest):
+    async def run(self, request: pb.GenerateRequest, send) -> None:
         if request.request_id.startswith("bad"):
             raise InvalidArgument("request_id: refused by the script")
         if request.request_id.startswith("crash"):
@@ -53,7 +54,7 @@ class Script:
             for i in range(self.steps):
                 async with self._step:
                     await self._step.wait_for(lambda i=i: self.released > i)
-                yield chunk(request, i)
+                send(chunk(request, i))
             done = True
         finally:
             if not done:

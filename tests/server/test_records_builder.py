@@ -232,6 +232,26 @@ def test_strided_views_other_dtypes_and_lists_are_copied_into_writable_int32_flo
     assert SampleBuilder(header(k=0), 0).record("stop", 0, now=0.0).topk_ids.shape == (0, 0)
 
 
+def test_held_outputs_are_kept_uncopied_and_each_chunk_and_record_gets_arrays_of_its_own():
+    # hold keeps the engine's arrays as they are (the Engine contract gives them away); the chunk, even
+    # of one output, and the record are new arrays: writing to either touches nothing else.
+    o = out([5, 6], 0)
+    b = SampleBuilder(header(), 0)
+    b.hold(o)
+    assert b._parts[3][0] is o.topk_ids
+    chunk = b.take_chunk()
+    b.hold(out([7], 0))
+    rec = b.record("stop", 0, now=0.0)
+    arrays = ("token_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs")
+    for name in arrays:
+        assert not np.shares_memory(getattr(chunk, name), getattr(o, name)), name
+    for a in (rec.completion_ids, rec.sampled_logprobs, rec.sampled_ranks, rec.topk_ids, rec.topk_logprobs):
+        assert not any(np.shares_memory(a, getattr(x, n)) for x in (o, chunk) for n in arrays)
+    chunk.topk_logprobs[0, 0] = 1.0
+    assert o.topk_logprobs[0, 0] == np.float32(-0.5) and rec.topk_logprobs[0, 0] == np.float32(-0.5)
+    np.testing.assert_array_equal(rec.completion_ids, [5, 6, 7])
+
+
 def test_a_misshaped_output_is_refused_when_held_before_any_chunk_or_record():
     b = SampleBuilder(header(), 0)
     b.hold(out([1, 2], 0))
