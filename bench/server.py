@@ -20,8 +20,12 @@ runs at its default settings (chunks gathered for up to `chunk_interval_ms`) unl
 --scripted measures the serving path alone, in seconds and without a model: the same comparison around
 a scripted engine (precomputed outputs on a fixed step clock, `--step-ms`, whose own CPU is the
 in-process run's), so the engine's cost is close to nothing and the difference is the serving path's.
-Each repetition runs every path `--rounds` times (3) and sums CPU and tokens: one 16 x 128-token run is
-~0.5 s, and a figure taken from one such run moved by ±30 % between repetitions.
+Each repetition runs every path `--rounds` times (8) and sums CPU and tokens: one 16 x 128-token run is
+~0.5 s, and a figure taken from one such run moved by ±30 % between repetitions; the engine alone
+(in-process) runs both before and after the gRPC run, and its CPU is the mean of the two, so that slow
+drift cancels. Even the engine alone moved by ±15 % between runs of 0.5 s on a quiet 2-core VM
+(mostly the cost of waking from idle between steps), and the serving figure is a difference of two such
+figures: at 3 rounds a median of 3 repetitions of the same code ranged 16-21 µs (2026-12-02).
 
 Wire bytes: each GenerateChunk the client received, re-serialised (`maskroll.proto.wire.chunk_to_pb`,
 deterministic) plus gRPC's 5-byte message prefix; HTTP/2 framing is left out of both sides. JSON: the
@@ -366,26 +370,30 @@ async def bench_scripted(args: argparse.Namespace) -> dict:
             # A warm-up, not counted: a fresh replica's first RPCs pay one-time costs (imports, the first
             # connection, caches) that were 3-4x a repetition's CPU per token, and the first counted
             # repetition after one round of each path was still the slowest of seven (19.2 µs against
-            # 13.3-17.8): one whole repetition's rounds of each path, so that with --baseline (a process
-            # per repetition) every repetition is measured as warm as the later ones of a long run.
+            # 13.3-17.8): three rounds of each path (then a whole repetition), so that with --baseline (a
+            # process per repetition) every repetition is measured as warm as the later ones of a long run.
             rounds = args.rounds
+            warm = min(rounds, 3)  # the amount measured to be enough (the old default of --rounds)
             for k in (0, kmax):
-                for _ in range(rounds):
+                for _ in range(warm):
                     await run_inprocess(engine, n, t, k)
                     await run_pipeline(pipeline, n, t, k)
-                await asyncio.to_thread(run_grpc_subprocess, replica.address, None, n, t, k, rounds)
+                await asyncio.to_thread(run_grpc_subprocess, replica.address, None, n, t, k, warm)
+
+            async def cpu_of(run) -> float:
+                cpu0 = time.process_time()
+                for _ in range(rounds):
+                    await run()
+                return time.process_time() - cpu0
+
             for rep in range(args.reps):
                 for k in (0, kmax):
-                    cpu0 = time.process_time()
-                    for _ in range(rounds):
-                        await run_inprocess(engine, n, t, k)
-                    inproc = time.process_time() - cpu0
-                    cpu0 = time.process_time()
-                    for _ in range(rounds):
-                        await run_pipeline(pipeline, n, t, k)
-                    piped = time.process_time() - cpu0
+                    before = await cpu_of(lambda k=k: run_inprocess(engine, n, t, k))
                     row = await asyncio.to_thread(run_grpc_subprocess, replica.address, None, n, t, k, rounds)
-                    cpu = {"inprocess_cpu_s": inproc, "pipeline_cpu_s": piped}
+                    after = await cpu_of(lambda k=k: run_inprocess(engine, n, t, k))
+                    piped = await cpu_of(lambda k=k: run_pipeline(pipeline, n, t, k))
+                    # the engine's CPU for the gRPC run between them: their mean (drift cancels)
+                    cpu = {"inprocess_cpu_s": (before + after) / 2, "pipeline_cpu_s": piped}
                     runs.append({"rep": rep, "k": k, **cpu, **row})
         finally:
             await replica.drain(timeout_s=0)
@@ -752,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--rounds",
         type=int,
-        default=3,
+        default=8,
         help="--scripted: each path runs the R requests this many times per repetition (CPU and tokens "
         "summed), so that one repetition's figure is not one 0.5 s run's noise",
     )
