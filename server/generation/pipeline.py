@@ -223,13 +223,20 @@ class Generation:
         self._fan.sinks = [sample.add for sample in samples]
         try:
             async with self._fan as fan:
-                async for i, chunk in fan.items():
-                    if chunk is not None:
-                        yield chunk
-                    elif not samples[i].builder.finished:
-                        # The engine ended the stream without a finish reason.
-                        samples[i].cancel_timer()
-                        yield self._abort(samples[i].builder)
+                try:
+                    async for i, chunk in fan.items():
+                        if chunk is not None:
+                            yield chunk
+                        elif not samples[i].builder.finished:
+                            # The engine ended the stream without a finish reason.
+                            samples[i].cancel_timer()
+                            yield self._abort(samples[i].builder)
+                except BaseException:
+                    # Left on an error, or closed or cancelled by the caller: no chunk may go out while
+                    # the fan-out waits for the engine to free the requests (push() would send it).
+                    for sample in samples:
+                        sample.cancel_timer()
+                    raise
             # Left only after abort(): the engine requests are cancelled by now. What the samples emitted
             # meanwhile still goes out, then each unfinished sample gets its last chunk, so every sample
             # of a request ends with a record.

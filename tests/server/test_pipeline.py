@@ -398,3 +398,71 @@ def test_the_torch_engine_guard_refuses_a_temperature_by_the_same_rule(torch_eng
         server_loop.run(first_output())
     assert str(err.value) == temperature_problem(0.0)
     assert torch_engine.num_active == 0
+
+
+def test_push_hands_over_the_chunks_stream_yields_in_the_same_order(fake_model_dir):
+    # The same request (same seed) read from stream() and pushed: the same chunks, in the same order, the
+    # last of each sample with its record; an abort's last chunks are pushed too.
+    def run(how: str, abort_after: int | None = None) -> list:
+        pipeline, _ = make(fake_model_dir, NO_TIMER, token_delay_s=0.002)
+        opts = SamplingOptions(max_tokens=40, logprobs_k=3, n=2, seed=9)
+        gen = pipeline.prepare([3, 4], opts, request_id="r")
+        got: list = []
+
+        def send(chunk) -> None:
+            got.append(chunk)
+            if abort_after is not None and len(got) == abort_after:
+                gen.abort()
+
+        if how == "push":
+            asyncio.run(gen.push(send))
+        else:
+
+            async def read() -> None:
+                async with contextlib.aclosing(gen.stream()) as chunks:
+                    async for c in chunks:
+                        send(c)
+
+            asyncio.run(read())
+        return [
+            (c.sample_index, c.start_index, c.token_ids.tolist(), c.record and c.record.finish_reason)
+            for c in got
+        ]
+
+    pushed = run("push")
+    assert pushed == run("stream")
+    assert sorted((s, r) for s, _, _, r in pushed if r) == [(0, "length"), (1, "length")]
+    aborted = run("push", abort_after=2)
+    assert sorted((s, r) for s, _, _, r in aborted if r) == [(0, "abort"), (1, "abort")]
+
+
+def test_a_cancelled_push_sends_no_chunk_while_the_engine_frees_its_requests(fake_model_dir):
+    # A GenerateStream request cancelled mid-way: its samples' coalescing timers must not push a chunk
+    # into the call while the fan-out waits for the engine to free the requests (here 0.2 s, far past
+    # the 20 ms interval); the client has forgotten the request by then.
+    class SlowAbort(FakeEngine):
+        async def generate(self, request):
+            try:
+                async for out in super().generate(request):
+                    yield out
+            finally:
+                await asyncio.sleep(0.2)
+
+    config = server_config(fake_model_dir, max_n=4, max_tokens=250, chunk_interval_ms=20)
+    pipeline = Pipeline(SlowAbort(token_delay_s=0.002), config)
+    gen = pipeline.prepare([3, 4], SamplingOptions(max_tokens=200, logprobs_k=3, n=2, seed=1))
+
+    async def main() -> tuple[int, int, int]:
+        sent: list = []
+        task = asyncio.create_task(gen.push(sent.append))
+        while len(sent) < 2:  # each sample's first chunk
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)  # tokens held since, under a pending timer
+        task.cancel()
+        at_cancel, t0 = len(sent), asyncio.get_running_loop().time()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return at_cancel, len(sent), asyncio.get_running_loop().time() - t0
+
+    at_cancel, after, waited = asyncio.run(main())
+    assert waited >= 0.2 and after == at_cancel
