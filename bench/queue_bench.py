@@ -222,11 +222,15 @@ def job_sender(mode: str, url: str, stream: str, tpl: list, pool: list, max_len:
     record of dataclasses.replace on the maskroll side only.) The timed producer and --breakdown's
     producer steps both send through it."""
     fresh = [] if mode in ("raw", "raw+decode") else [job_records(tpl, uuid.uuid4().hex) for _ in range(jobs)]
-    if mode == "maskroll":
+    if mode in ("maskroll", "maskroll-joined"):
+        import redis.asyncio as aioredis
+
         from maskroll.proto.redis_conn import connect
         from maskroll.server.pull.publisher import RolloutPublisher
 
-        r = connect(url)  # as `maskroll serve` builds the publisher's client
+        # as `maskroll serve` builds the publisher's client; --breakdown's "maskroll-joined": a plain
+        # redis-py client, to which the publisher gives each record joined into one payload
+        r = connect(url) if mode == "maskroll" else aioredis.Redis.from_url(url)
         pub = RolloutPublisher(r, stream, max_len=max_len)
 
         async def publish(j: int) -> None:
@@ -624,6 +628,7 @@ def breakdown_child(url: str, tokens: int, k: int, n: int, results) -> None:
         ("produce: XADD pre-encoded (raw)", "raw"),
         ("produce: encode_record + XADD (raw+codec)", "raw+codec"),
         ("produce: RolloutPublisher.publish (maskroll)", "maskroll"),
+        ("produce: publish, each record joined first", "maskroll-joined"),
     ):
         out[name] = best_of_3(
             admin, n, lambda: None, lambda _, m=mode: asyncio.run(produce_alone(url, m, tpl, pool, n))
