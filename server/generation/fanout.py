@@ -35,6 +35,9 @@ class FanOut:
         self.on_output: Callable[[int, EngineOutput], None] = self.emit
         # Or one callback per sample, called with the output alone (one call less per token).
         self.sinks: list[Callable[[EngineOutput], None]] | None = None
+        # Called in a sample's engine stream's task when that stream ends normally, before the consumer
+        # is told: anything the sample would emit later (a timer's chunk) would come after its end.
+        self.ends: list[Callable[[], None]] | None = None
 
     def emit(self, index: int, item: Any) -> None:
         """Hand `item` of sample `index` to the consumer (`items()`), after everything emitted before."""
@@ -71,6 +74,8 @@ class FanOut:
         except Exception as exc:  # handed to the consumer, which re-raises it at the RPC boundary
             self._queue.put_nowait((index, exc))
         else:
+            if self.ends is not None:
+                self.ends[index]()
             self._queue.put_nowait((index, _END))
 
     def abort(self) -> None:

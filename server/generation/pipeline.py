@@ -221,6 +221,9 @@ class Generation:
             for i in range(self.n)
         ]
         self._fan.sinks = [sample.add for sample in samples]
+        # A stream that ends without a finish reason: the sample's timer must not emit its held tokens
+        # after the end, behind the abort chunk that takes them (below).
+        self._fan.ends = [sample.cancel_timer for sample in samples]
         try:
             async with self._fan as fan:
                 try:

@@ -270,6 +270,29 @@ def test_engine_ending_a_stream_without_finish_reason_is_an_abort_record(fake_mo
     np.testing.assert_array_equal(rec.completion_ids, [scripted_token(2, j, 50) for j in range(3)])
 
 
+def test_a_stream_ending_without_finish_reason_streams_every_token_before_its_record(fake_model_dir):
+    # A slow reader: the engine stream ends (no finish reason) while tokens are held under a 10 ms timer
+    # and the reader sleeps 30 ms. The timer must not emit them behind the end: the abort chunk takes
+    # them, and the streamed tokens are exactly the record's.
+    pipeline, engine = make(fake_model_dir, {"chunk_interval_ms": 10})
+    engine.end_without_finish = True
+    gen = pipeline.prepare([1], SamplingOptions(max_tokens=3, seed=2))
+
+    async def read() -> list:
+        out = []
+        async with contextlib.aclosing(gen.stream()) as chunks:
+            async for c in chunks:
+                out.append(c)
+                await asyncio.sleep(0.03)
+        return out
+
+    chunks = asyncio.run(read())
+    assert chunks[-1].record is not None and chunks[-1].record.finish_reason == "abort"
+    streamed = np.concatenate([c.token_ids for c in chunks])
+    np.testing.assert_array_equal(streamed, chunks[-1].record.completion_ids)
+    assert len(streamed) == 3
+
+
 def test_closing_the_stream_early_cancels_every_engine_request(fake_model_dir):
     pipeline, engine = make(fake_model_dir, token_delay_s=0.01)
     gen = pipeline.prepare([1], SamplingOptions(max_tokens=200, n=3), request_id="gone")
