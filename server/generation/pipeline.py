@@ -206,7 +206,9 @@ class Generation:
         """stream()'s chunks, in the same order, each handed to `send(chunk)` as soon as it is made, in
         the task that made it (an engine stream's, or a coalescing timer): the caller's task does not
         wake for each chunk, as it does to read stream(). `send` must not block; what it raises fails
-        the request, as an engine error would. Returns when every sample has sent its last chunk."""
+        the request, as an engine error would. Returns when every sample has sent its last chunk. (When
+        one engine stream fails, the chunks other samples made before the error reaches this task have
+        been sent; stream() would have dropped them.)"""
         async with contextlib.aclosing(self._chunks(send)) as chunks:
             async for chunk in chunks:  # the chunks made here rather than by a sample: aborted samples'
                 send(chunk)

@@ -49,7 +49,7 @@ def _token_arrays(out: EngineOutput, k: int) -> tuple[int, tuple[np.ndarray, ...
     try:  # `is`: numpy's native dtypes are singletons
         fast = (
             out.finish_reason in _FINISH_REASONS
-            and (a1.shape, a2.shape, a3.shape, a4.shape) == ((t,), (t,), (t, k), (t, k))
+            and (x.shape, a1.shape, a2.shape, a3.shape, a4.shape) == ((t,), (t,), (t,), (t, k), (t, k))
             and x.dtype is _I32
             and a1.dtype is _F32
             and a2.dtype is _I32
@@ -110,15 +110,15 @@ def check_output(out: EngineOutput, k: int) -> None:
     if out.finish_reason not in _FINISH_REASONS:
         raise RuntimeError(f"engine output finish_reason {out.finish_reason!r} is not stop / length / abort")
     t = len(out.token_ids)
-    arrays = (out.sampled_logprobs, out.sampled_ranks, out.topk_ids, out.topk_logprobs)
+    arrays = (out.token_ids, out.sampled_logprobs, out.sampled_ranks, out.topk_ids, out.topk_logprobs)
     try:  # the attribute where the engine built arrays: np.shape costs several times more, per token
-        got = (arrays[0].shape, arrays[1].shape, arrays[2].shape, arrays[3].shape)
+        got = tuple(a.shape for a in arrays)
     except AttributeError:
         got = tuple(np.shape(a) for a in arrays)
-    if got == ((t,), (t,), (t, k), (t, k)):  # every output of a healthy engine: one comparison
+    wanted = ((t,), (t,), (t,), (t, k), (t, k))
+    if got == wanted:  # every output of a healthy engine: one comparison
         return
-    wanted = ((t,), (t,), (t, k), (t, k))
-    names = ("sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs")
+    names = ("token_ids", "sampled_logprobs", "sampled_ranks", "topk_ids", "topk_logprobs")
     for name, g, w in zip(names, got, wanted, strict=True):
         # [0] and [0, K] are the same empty array: engines may build empty outputs either way.
         if g != w and not (t == 0 and int(np.prod(g)) == 0):

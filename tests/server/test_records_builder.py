@@ -134,6 +134,7 @@ def test_k_zero_records_have_zero_width_topk():
         ("topk_logprobs", np.zeros((2, K - 1), np.float32)),
         ("sampled_logprobs", np.zeros(3, np.float32)),
         ("sampled_ranks", np.zeros(1, np.int32)),
+        ("token_ids", np.array([[1], [2]], np.int32)),  # [t, 1]: would make a 2-D completion
     ],
 )
 def test_misshaped_engine_output_is_refused(field, value):
@@ -141,6 +142,8 @@ def test_misshaped_engine_output_is_refused(field, value):
     setattr(o, field, value)
     with pytest.raises(RuntimeError, match=field):
         check_output(o, K)
+    with pytest.raises(RuntimeError, match=field):  # and when held: nothing of it is kept
+        SampleBuilder(header(), 0).hold(o)
 
 
 def test_unknown_finish_reason_is_refused():
