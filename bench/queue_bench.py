@@ -631,7 +631,10 @@ def breakdown_child(url: str, tokens: int, k: int, n: int, results) -> None:
         ("produce: publish, each record joined first", "maskroll-joined"),
     ):
         out[name] = best_of_3(
-            admin, n, lambda: None, lambda _, m=mode: asyncio.run(produce_alone(url, m, tpl, pool, n))
+            admin,
+            n,
+            lambda m=mode: producer_alone(url, m, tpl, pool, n),  # its records built here, untimed
+            lambda sender: asyncio.run(produce_alone(sender, n)),
         )
     for name, step in (
         ("consume: sync XREADGROUP + XACK/XDEL (raw)", lambda ns: drain_raw(url, ns, n, False)),
@@ -671,12 +674,18 @@ def best_of_3(admin, n: int, setup, step) -> dict:
     return best
 
 
-async def produce_alone(url: str, mode: str, tpl: list, pool: list, n: int) -> None:
-    """n records into a fresh stream as `mode`'s producer sends them, with no consumer and no window."""
+def producer_alone(url: str, mode: str, tpl: list, pool: list, n: int) -> tuple:
+    """`mode`'s sender (job_sender, its n records built) into a fresh stream, with no consumer and no
+    window."""
     from maskroll.proto.streams import StreamKeys
 
     stream = StreamKeys(f"b{uuid.uuid4().hex[:6]}").rollouts
-    r, _, send = job_sender(mode, url, stream, tpl, pool, max_len=10**9, jobs=n // GROUP)
+    return job_sender(mode, url, stream, tpl, pool, max_len=10**9, jobs=n // GROUP)
+
+
+async def produce_alone(sender: tuple, n: int) -> None:
+    """n records into the sender's stream (producer_alone), as `mode`'s producer sends them."""
+    r, _, send = sender
     await r.ping()
     for j in range(n // GROUP):
         await send(j)

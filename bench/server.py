@@ -100,8 +100,10 @@ async def run_inprocess(engine, n: int, tokens: int, k: int) -> dict:
 
 
 async def run_pipeline(pipeline, n: int, tokens: int, k: int) -> int:
-    """R requests through the replica's serving pipeline without gRPC (`Pipeline.prepare(...).stream()`,
-    each chunk made a protobuf message and serialised, as the servicer and gRPC do); the tokens made."""
+    """R requests through the replica's serving pipeline without gRPC, each chunk made a protobuf
+    message and serialised, as the servicer and gRPC do; the tokens made. The chunks are pushed
+    (`Generation.push`, as a GenerateStream request's are), or read from `stream()` in a tree without
+    push (before 2026-12-02's fourth cut, when GenerateStream read them so too)."""
     import contextlib
 
     import numpy as np
@@ -113,10 +115,18 @@ async def run_pipeline(pipeline, n: int, tokens: int, k: int) -> int:
         options = SamplingOptions(max_tokens=tokens, temperature=1.0, logprobs_k=k, seed=i, ignore_eos=True)
         gen = pipeline.prepare(np.asarray(prompt, np.int32), options)
         made = 0
-        async with contextlib.aclosing(gen.stream()) as chunks:
-            async for c in chunks:
-                made += len(c.token_ids)
-                chunk_to_pb(c).SerializeToString()
+
+        def send(c) -> None:
+            nonlocal made
+            made += len(c.token_ids)
+            chunk_to_pb(c).SerializeToString()
+
+        if hasattr(gen, "push"):
+            await gen.push(send)
+        else:
+            async with contextlib.aclosing(gen.stream()) as chunks:
+                async for c in chunks:
+                    send(c)
         return made
 
     return sum(await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts(n))]))
