@@ -377,6 +377,30 @@ def test_starting_a_run_runs_no_python_fork_handlers(tmp_path: pathlib.Path) -> 
         armed.clear()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid drop is root's path")
+def test_root_drops_its_uid_without_a_plain_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As root, each run's uid is set by `setpriv` in the new process, not by Popen(user=, group=): those
+    make CPython fork plainly rather than vfork, and a plain fork runs gRPC's C at-fork handlers (which no
+    Python handler sees), whose poller then aborted bwrap's set-up beside a live gRPC client (CI,
+    2026-12-02: 4 of 80 concurrent runs failed)."""
+    from maskroll.rewards import sandbox
+
+    calls: list[tuple[list[str], dict]] = []
+    real = subprocess.Popen
+
+    def spy(argv, **kwargs):
+        calls.append((list(argv), kwargs))
+        return real(argv, **kwargs)
+
+    monkeypatch.setattr(sandbox.subprocess, "Popen", spy)
+    result = run("import os; print(os.getuid() == os.geteuid() == os.getgid() != 0, os.getgroups())")
+    assert result.stdout == "True []\n", result.stderr
+    ((argv, kwargs),) = calls
+    assert not {"user", "group", "extra_groups", "preexec_fn"} & set(kwargs)
+    assert pathlib.Path(argv[0]).name == "setpriv" and argv[3:5] == ["--clear-groups", "--"]
+    assert argv[1].startswith("--reuid=") and argv[2] == "--regid=" + argv[1].split("=")[1]
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="language='ruby'"):
         run("puts 1", language="ruby")  # type: ignore[arg-type]
