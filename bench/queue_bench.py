@@ -223,15 +223,14 @@ def job_sender(mode: str, url: str, stream: str, tpl: list, pool: list, max_len:
     producer steps both send through it."""
     fresh = [] if mode in ("raw", "raw+decode") else [job_records(tpl, uuid.uuid4().hex) for _ in range(jobs)]
     if mode in ("maskroll", "maskroll-joined"):
-        import redis.asyncio as aioredis
-
         from maskroll.proto.redis_conn import connect
         from maskroll.server.pull.publisher import RolloutPublisher
 
-        # as `maskroll serve` builds the publisher's client; --breakdown's "maskroll-joined": a plain
-        # redis-py client, to which the publisher gives each record joined into one payload
-        r = connect(url) if mode == "maskroll" else aioredis.Redis.from_url(url)
+        r = connect(url)  # as `maskroll serve` builds the publisher's client
         pub = RolloutPublisher(r, stream, max_len=max_len)
+        # --breakdown's "maskroll-joined": the same publisher and client, each record joined into one
+        # payload first (what a client that cannot send pieces gets)
+        pub._pieces = mode == "maskroll"
 
         async def publish(j: int) -> None:
             await pub.publish(fresh[j])

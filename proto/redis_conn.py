@@ -87,11 +87,11 @@ class Pieces:
     `connect` / `connect_cluster` hands them to the socket's write one after the other, as redis-py does
     with any large argument, rather than joined into a value of their own first. A record's payload is
     its header and its arrays (wire.record_pieces): joining them cost a replica a copy of every record
-    it published, over a quarter of its publishing CPU at 8k tokens a record (docs/benchmarks.md,
-    "Queue"). (Python 3.11's asyncio still joins a whole write, every command of a MULTI, before the
-    send: one copy, as for any redis-py value.) The buffers must not change until the command's reply
-    has come or its connection is closed. Plain redis-py clients cannot send one: `sends_pieces` says
-    which can."""
+    it published and, by the heap's state, the page faults of a fresh buffer, at 8k tokens a record up
+    to over half of its publishing CPU (docs/benchmarks.md, "Queue"). (Python 3.11's asyncio still
+    joins a whole write, every command of a MULTI, before the send: one copy, as for any redis-py
+    value.) The buffers must not change until the command's reply has come or its connection is
+    closed. Plain redis-py clients cannot send one: `sends_pieces` says which can."""
 
     __slots__ = ("nbytes", "pieces")
 
