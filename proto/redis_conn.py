@@ -95,7 +95,8 @@ class Pieces:
 
     __slots__ = ("nbytes", "pieces")
 
-    def __init__(self, pieces: list[bytes | memoryview]) -> None:
+    def __init__(self, pieces: list) -> None:
+        """pieces: bytes, or any C-contiguous buffer (a numpy array), sent as its bytes."""
         self.pieces = [p if isinstance(p, bytes) else memoryview(p).cast("B") for p in pieces]
         self.nbytes = sum(map(len, self.pieces))
 

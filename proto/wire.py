@@ -416,17 +416,17 @@ def encode_record(r: RolloutRecord) -> bytes:
     return b"".join(record_pieces(r))
 
 
-def record_pieces(r: RolloutRecord) -> list[bytes | memoryview]:
+def record_pieces(r: RolloutRecord) -> list[bytes | np.ndarray]:
     """encode_record's payload as the pieces it joins: the header, then each array field's tag and length
-    (bytes) and its contents (a flat byte view of the record's own array, not a copy). The publisher hands
-    these to Redis as they are (redis_conn.Pieces), so a published record is never copied into a payload
-    of its own; the record's arrays must then stay unchanged until the publish returns."""
-    pieces: list[bytes | memoryview] = [record_to_pb(r, arrays=False).SerializeToString()]
+    (bytes) and its contents (the record's own contiguous array, not a copy). The publisher hands these
+    to Redis as they are (redis_conn.Pieces), so a published record is never copied into a payload of its
+    own; the record's arrays must then stay unchanged until the publish returns."""
+    pieces: list[bytes | np.ndarray] = [record_to_pb(r, arrays=False).SerializeToString()]
     at = len(pieces[0])
     for _, number, a in _record_arrays(r):
         if a.size:  # proto3 leaves empty bytes fields out; so does this
             head = _field_head(number, a.nbytes, at % 4)
-            pieces += (head, memoryview(a).cast("B"))
+            pieces += (head, a)
             at += len(head) + a.nbytes
     return pieces
 

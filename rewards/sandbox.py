@@ -126,10 +126,6 @@ def _util_linux(name: str, why: str) -> str:
     return path
 
 
-def _prlimit() -> str:
-    return _util_linux("prlimit", "sets its rlimits")
-
-
 def _interpreter() -> str:
     # The system python under /usr (bound read-only); a venv or pyenv interpreter usually lives under a home
     # directory that the unprivileged sandbox uid cannot enter, and the program only needs the stdlib.
@@ -243,7 +239,7 @@ def run(
         os.write(stdin_fd, stdin.encode())
         os.lseek(stdin_fd, 0, os.SEEK_SET)
         argv = [
-            _prlimit(),
+            _util_linux("prlimit", "sets its rlimits"),
             *limits,
             "--",
             bwrap,

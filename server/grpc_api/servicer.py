@@ -143,13 +143,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             async for message in messages:
                 yield message
 
-    async def serve_request(self, request: pb.GenerateRequest):
-        """One Generate request's chunks (pb.GenerateChunk); raises what the call ends with."""
+    async def serve_request(self, request: pb.GenerateRequest, send=None):
+        """One Generate request's chunks (pb.GenerateChunk), or with `send` each handed to it instead
+        (yielding none); raises what the call ends with."""
         self._check_serving()
         # The namespace's current adapter samples every token (None: the engine's weights); held
         # resident until the request ends, however it ends.
         with self.adapters.use(request.namespace) as adapter:
-            async with contextlib.aclosing(self._generate(request, adapter)) as chunks:
+            async with contextlib.aclosing(self._generate(request, adapter, send)) as chunks:
                 async for chunk in chunks:
                     yield chunk
 
@@ -157,11 +158,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         """serve_request with each chunk handed to `send(pb.GenerateChunk)` as soon as it is made
         (pipeline.Generation.push), for a GenerateStream call's outbox; returns when the request has ended
         (its records published), raises what a Generate call would end with."""
-        self._check_serving()
-        with self.adapters.use(request.namespace) as adapter:
-            async with contextlib.aclosing(self._generate(request, adapter, send)) as nothing:
-                async for _ in nothing:  # pushing: the generator yields nothing
-                    pass
+        async with contextlib.aclosing(self.serve_request(request, send)) as nothing:
+            async for _ in nothing:  # pushing: the generator yields nothing
+                pass
 
     async def _generate(self, request: pb.GenerateRequest, adapter, send=None):
         """Run one request: yields its pb.GenerateChunk messages, or hands them to `send` (yielding none)."""
