@@ -20,7 +20,8 @@ from maskroll.client.status import (
     namespace_status,
     requeue_dead_letters,
 )
-from maskroll.proto.redis_conn import QueueUnavailable, open_redis, redact
+from maskroll.proto.redaction import redact
+from maskroll.proto.redis_conn import QueueUnavailable, open_redis
 from maskroll.proto.run_record import ago
 
 

@@ -20,7 +20,7 @@ class RedactingFilter(logging.Filter):
     library logged it: redis-py and grpc put URLs in their exception texts."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from maskroll.proto.redis_conn import redact
+        from maskroll.proto.redaction import redact
 
         record.msg, record.args = redact(record.getMessage()), None
         if record.exc_info and not record.exc_text:
@@ -50,7 +50,8 @@ def main(argv: list[str]) -> int:
     # Until the server installs its drain handler, SIGTERM must still end the process: as PID 1 in a
     # container, a signal without a handler is ignored and the engine's start-up would run to the end.
     signal.signal(signal.SIGTERM, _exit_during_startup)
-    from maskroll.proto.redis_conn import QueueUnavailable, redact
+    from maskroll.proto.redaction import redact
+    from maskroll.proto.redis_conn import QueueUnavailable
 
     from .app import BindError, serve
 

@@ -46,7 +46,8 @@ from redis.exceptions import ResponseError
 
 from maskroll.proto import wire
 from maskroll.proto.consumer import GroupConsumer
-from maskroll.proto.redis_conn import REDIS_DOWN, redact
+from maskroll.proto.redaction import redact
+from maskroll.proto.redis_conn import REDIS_DOWN
 from maskroll.proto.streams import (
     F_JOB_ERROR,
     F_REASON,

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from ..engines.contract import Engine, EngineOutput, EngineRequest
-from ..grpc_api.errors import InvalidArgument
+from ..errors import InvalidArgument
 
 _END = object()  # a sample's engine stream ended
 _ABORT = object()  # the server is draining: stop reading, the caller ends the unfinished samples

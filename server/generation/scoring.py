@@ -18,7 +18,7 @@ from maskroll.proto.records import Semantics
 from maskroll.proto.scoring import ScoredTokens, ScoreJob, ScoreResult
 
 from ..engines.contract import AdapterRef, Engine, SamplingParams, ScoreRequest
-from ..grpc_api.errors import InvalidArgument, Unimplemented
+from ..errors import InvalidArgument, Unimplemented
 from . import validation
 
 

@@ -23,7 +23,7 @@ from maskroll.proto.records import SamplingOptions
 from maskroll.proto.streams import StreamKeys
 
 from ..engines.contract import EngineLimits, EngineRequest, SamplingParams
-from ..grpc_api.errors import InvalidArgument
+from ..errors import InvalidArgument
 
 MAX_ID_CHARS = 256  # request / job / group ids end up in Redis keys, logs and metrics
 # Metadata is copied into every sample's record (n of them) and into Redis: a few labels, not a payload.

@@ -23,6 +23,15 @@ from maskroll.proto.streams import StreamKeys
 from .. import activity
 from ..config import ServerConfig
 from ..engines.contract import Engine
+from ..errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    ServiceError,
+    Unavailable,
+    message_of,
+    shown,
+)
 from ..generation import scoring, validation
 from ..generation.pipeline import Pipeline
 from ..metrics import Metrics
@@ -33,16 +42,7 @@ from ..weights import receive as weight_stream
 from ..weights import sources as weight_sources
 from ..weights import tensor_rules
 from ..weights.adapters import AdapterTable
-from .errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    ServiceError,
-    Unavailable,
-    message_of,
-    rpc_boundary,
-    shown,
-)
+from .errors import rpc_boundary
 from .session import StreamSession
 
 log = logging.getLogger("maskroll.weights")

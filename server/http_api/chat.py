@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from ..grpc_api.errors import InvalidArgument
+from ..errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

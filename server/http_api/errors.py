@@ -1,9 +1,10 @@
-"""The one place where exceptions become HTTP statuses and OpenAI's error JSON (errors.py's HTTP twin).
+"""The one place where exceptions become HTTP statuses and OpenAI's error JSON (grpc_api/errors.py's twin).
 
-The HTTP front end raises errors.py's typed errors, the few below that only HTTP has, or lets anything
-else propagate; `http_error` turns any of them into (status, body). The status follows the gRPC code the
-same exception gets on the gRPC side (`errors.to_status`), so both front ends refuse the same input the
-same way: INVALID_ARGUMENT → 400, UNAUTHENTICATED → 401, UNAVAILABLE (draining) → 503, unknown → 500.
+The HTTP front end raises the replica's typed errors (server/errors.py), the few below that only HTTP
+has, or lets anything else propagate; `http_error` turns any of them into (status, body). The status
+follows the code the same exception gets on the gRPC side (`errors.code_of`), so both front ends refuse
+the same input the same way: INVALID_ARGUMENT → 400, UNAUTHENTICATED → 401, UNAVAILABLE (draining) →
+503, unknown → 500.
 The body is OpenAI's: {"error": {"message", "type", "param", "code"}}, where `param` names the request
 field in the caller's own vocabulary (`top_logprobs` for what the pipeline calls options.logprobs_k).
 """
@@ -15,28 +16,12 @@ from collections.abc import Mapping
 
 import grpc
 
-from ..grpc_api.errors import ServiceError, to_status
-
-
-class NotFound(ServiceError):
-    code = "NOT_FOUND"
-
-
-class Unauthenticated(ServiceError):
-    code = "UNAUTHENTICATED"
+from ..errors import ServiceError, TooManySessions, code_of
 
 
 class PayloadTooLarge(ServiceError):
     code = "RESOURCE_EXHAUSTED"
     http_status = 413
-
-
-class RetryLater(ServiceError):
-    """503 with Retry-After: the replica could not do it now (Redis out of reach, a full stream), but a
-    retry of the same call can succeed."""
-
-    code = "UNAVAILABLE"
-    retry_after_s = 5
 
 
 class UnsupportedMediaType(ServiceError):
@@ -46,11 +31,6 @@ class UnsupportedMediaType(ServiceError):
 
 class CrossOrigin(ServiceError):
     code = "PERMISSION_DENIED"
-
-
-class TooManySessions(ServiceError):
-    code = "RESOURCE_EXHAUSTED"
-    http_status = 429
 
 
 class RpcAbort(Exception):
@@ -77,6 +57,8 @@ STATUS_OF_CODE = {
     "UNAVAILABLE": 503,
     "DEADLINE_EXCEEDED": 504,
 }
+# The replica's errors whose HTTP status is not their code's.
+_HTTP_STATUS = {TooManySessions: 429}
 _ERROR_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -116,12 +98,12 @@ def rename_field(message: str, fields: Mapping[str, str]) -> tuple[str | None, s
 def http_error(exc: BaseException, fields: Mapping[str, str] | None = None) -> tuple[int, dict]:
     """The HTTP status and OpenAI error body for `exc` (the caller logs a 500)."""
     if isinstance(exc, RpcAbort):
-        code, message = exc.code, exc.details
+        code, message = exc.code.name, exc.details
     else:
-        code, message = to_status(exc)
-    status = getattr(exc, "http_status", None) or STATUS_OF_CODE.get(code.name, 500)
+        code, message = code_of(exc)
+    status = getattr(exc, "http_status", None) or _HTTP_STATUS.get(type(exc)) or STATUS_OF_CODE.get(code, 500)
     param = None
     if status == 400:
         param, message = rename_field(message, fields or {})
     kind = _ERROR_TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return status, {"error": {"message": message, "type": kind, "param": param, "code": code.name.lower()}}
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code.lower()}}

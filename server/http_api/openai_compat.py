@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from maskroll.proto.records import SamplingOptions
 
-from ..grpc_api.errors import InvalidArgument
+from ..errors import InvalidArgument
 from .chat import ChatFormat
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -40,16 +40,23 @@ from maskroll.proto.streams import StreamKeys
 
 from ..config import ServerConfig
 from ..engines.contract import Engine
+from ..errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    RetryLater,
+    Unavailable,
+    shown,
+)
 from ..generation import validation
 from ..generation.pipeline import Generation, Pipeline
-from ..grpc_api.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable, shown
 from ..metrics import Metrics
 from ..pull.publisher import PublishTimeout, RolloutPublisher
 from ..running import Running
 from ..weights.adapters import AdapterTable
 from . import openai_compat as oa
 from .chat import ChatFormat, parse_tool_calls
-from .errors import NotFound, RetryLater
 from .session_redis import Lease, LeaseLost, SessionRedis
 from .sessions import Plan, Session, SessionStore, check_id, ids_array
 

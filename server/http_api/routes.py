@@ -47,17 +47,9 @@ from starlette.requests import ClientDisconnect
 
 from maskroll.proto._generated import rollout_pb2 as pb
 
-from ..grpc_api.errors import InvalidArgument
+from ..errors import InvalidArgument, Unauthenticated
 from . import openai_compat as oa
-from .errors import (
-    OPTIONS,
-    CrossOrigin,
-    PayloadTooLarge,
-    RpcAbort,
-    Unauthenticated,
-    UnsupportedMediaType,
-    http_error,
-)
+from .errors import OPTIONS, CrossOrigin, PayloadTooLarge, RpcAbort, UnsupportedMediaType, http_error
 
 if TYPE_CHECKING:
     from .openai_serving import Call

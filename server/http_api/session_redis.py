@@ -31,7 +31,7 @@ from redis.exceptions import ResponseError
 
 from maskroll.proto.streams import F_RECORD, PartitionKeys
 
-from ..grpc_api.errors import AlreadyExists, InvalidArgument
+from ..errors import AlreadyExists, InvalidArgument
 from .session_state import decode_state, encode_state
 from .sessions import Session
 

@@ -37,9 +37,8 @@ from maskroll.proto.records import (
     rollout_id_for,
 )
 
-from ..grpc_api.errors import AlreadyExists, InvalidArgument
+from ..errors import AlreadyExists, InvalidArgument, NotFound, TooManySessions
 from .chat import ChatFormat
-from .errors import NotFound, TooManySessions
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 # Finished sessions whose answer a retried finish gets again: at most this many, and at most

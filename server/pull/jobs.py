@@ -24,8 +24,8 @@ from maskroll.proto.records import PromptJob, RolloutRecord
 
 from ..config import ServerConfig
 from ..engines.contract import Engine
+from ..errors import InvalidArgument
 from ..generation.pipeline import Pipeline
-from ..grpc_api.errors import InvalidArgument
 from .puller import JobRejected
 
 ADAPTER_WAIT_S = 30.0  # how long a job waits for its own run's adapter

@@ -40,7 +40,8 @@ from maskroll.proto import wire
 from maskroll.proto.consumer import GroupConsumer
 from maskroll.proto.heartbeat import encode_heartbeat
 from maskroll.proto.records import PromptJob, RolloutRecord
-from maskroll.proto.redis_conn import REDIS_DOWN, redact, transaction
+from maskroll.proto.redaction import redact
+from maskroll.proto.redis_conn import REDIS_DOWN, transaction
 from maskroll.proto.streams import (
     F_JOB,
     REPLICA_GROUP,
@@ -53,8 +54,8 @@ from maskroll.proto.streams import (
 )
 
 from ..engines.contract import EngineDead
+from ..errors import InvalidArgument
 from ..generation import validation
-from ..grpc_api.errors import InvalidArgument
 from ..metrics import Metrics
 from .publisher import PublishTimeout, RolloutPublisher
 from .slots import IDLE_WANT, JobSlots

@@ -42,7 +42,7 @@ from maskroll.proto.records import AdapterInfo
 from maskroll.proto.tensor_push import WeightsManifest
 
 from ..engines.contract import AdapterRef, Engine, LoraWeights
-from ..grpc_api.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, shown
+from ..errors import FailedPrecondition, InvalidArgument, ResourceExhausted, shown
 from . import tensor_rules
 
 log = logging.getLogger("maskroll.weights")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engines.contract import Engine
-from ..grpc_api.errors import InvalidArgument, PermissionDenied, ServiceError, shown
+from ..errors import InvalidArgument, PermissionDenied, ServiceError, shown
 
 SUFFIX = ".safetensors"
 MAX_PATH_CHARS = 4096  # PATH_MAX: a longer checkpoint.path names no file

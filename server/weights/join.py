@@ -35,7 +35,7 @@ import time
 from maskroll.proto.records import WeightsUpdate
 from maskroll.proto.run_record import RunInfo, read_run
 
-from ..grpc_api.errors import ServiceError
+from ..errors import ServiceError
 from . import checkpoints as weights
 from . import sources as weight_sources
 

@@ -38,7 +38,7 @@ import numpy as np
 from maskroll.proto import wire
 from maskroll.proto.tensor_push import WeightsManifest
 
-from ..grpc_api.errors import FailedPrecondition, InvalidArgument, shown
+from ..errors import FailedPrecondition, InvalidArgument, shown
 
 FILE_NAME = "model.safetensors"
 SPOOL_ENV = "MASKROLL_WEIGHTS_SPOOL"

@@ -31,7 +31,7 @@ from maskroll.proto.heap import trim_heap
 from maskroll.proto.tensor_push import CollectiveSpec, WeightsManifest
 
 from ..engines.contract import Engine
-from ..grpc_api.errors import InvalidArgument, ServiceError, Unimplemented
+from ..errors import InvalidArgument, ServiceError, Unimplemented
 from . import checkpoints as weights
 from . import receive as weight_stream
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from maskroll.server.engines.vllm_engine import check_checkpoint
-from maskroll.server.grpc_api.errors import InvalidArgument, PermissionDenied
+from maskroll.server.errors import InvalidArgument, PermissionDenied
 from maskroll.server.weights import checkpoints as weights
 
 

@@ -20,7 +20,7 @@ from maskroll.local.replica import LocalReplica
 from maskroll.proto import wire
 from maskroll.proto.records import RolloutRecord, Semantics
 from maskroll.proto.streams import F_RECORD, StreamKeys
-from maskroll.server.grpc_api.errors import AlreadyExists
+from maskroll.server.errors import AlreadyExists
 from maskroll.server.http_api.session_redis import Lease, LeaseLost, SessionRedis
 from maskroll.server.http_api.session_state import StateError, decode_state, encode_state
 from maskroll.server.http_api.sessions import Plan, Session

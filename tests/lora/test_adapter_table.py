@@ -15,7 +15,7 @@ import pytest
 import torch
 from fake_engine import FakeEngine
 
-from maskroll.server.grpc_api.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from maskroll.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from maskroll.server.weights.adapters import AdapterTable
 from maskroll.server.weights.tensor_rules import Layout
 

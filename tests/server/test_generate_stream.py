@@ -18,7 +18,7 @@ from grpc_fixtures import replica, server_config, server_loop, wait_until  # noq
 
 from maskroll.client import RecordAssembler, RolloutClient, RolloutError, SamplingOptions
 from maskroll.proto._generated import rollout_pb2 as pb
-from maskroll.server.grpc_api.errors import InvalidArgument
+from maskroll.server.errors import InvalidArgument
 from maskroll.server.grpc_api.session import StreamSession
 
 # ---- the session alone ------------------------------------------------------------------------------

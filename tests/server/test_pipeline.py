@@ -17,9 +17,9 @@ from maskroll.client import RecordAssembler, RolloutClient, SamplingOptions
 from maskroll.proto.records import PromptJob, rollout_id_for
 from maskroll.proto.sampling import temperature_problem
 from maskroll.server.engines.contract import EngineRequest, SamplingParams
+from maskroll.server.errors import InvalidArgument
 from maskroll.server.generation import validation
 from maskroll.server.generation.pipeline import Pipeline
-from maskroll.server.grpc_api.errors import InvalidArgument
 from maskroll.server.pull.jobs import JobRunner
 from maskroll.server.pull.puller import JobRejected
 

@@ -214,8 +214,8 @@ def test_an_engine_that_cannot_score_answers_unimplemented():
     """The contract's default `score` (a test fake has none): UNIMPLEMENTED, not an internal error."""
     from fake_engine import FakeEngine
 
+    from maskroll.server.errors import Unimplemented
     from maskroll.server.generation import scoring, validation
-    from maskroll.server.grpc_api.errors import Unimplemented
 
     engine = FakeEngine()
     caps = validation.Caps.of(engine.limits, max_logprobs=20, max_tokens=64, max_n=8)

@@ -20,8 +20,8 @@ from vllm_fixtures import server_loop, vllm_engine  # noqa: F401  (fixtures)
 
 from maskroll.proto.scoring import ScoreJob, ScoreOptions
 from maskroll.server.engines.contract import EngineRequest, SamplingParams, ScoreRequest
+from maskroll.server.errors import InvalidArgument
 from maskroll.server.generation import scoring, validation
-from maskroll.server.grpc_api.errors import InvalidArgument
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

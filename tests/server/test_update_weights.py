@@ -183,7 +183,7 @@ def test_a_file_swapped_for_a_symlink_between_check_and_load_is_refused(server_l
     old weights serve on."""
     import shutil
 
-    from maskroll.server.grpc_api.errors import PermissionDenied
+    from maskroll.server.errors import PermissionDenied
     from maskroll.server.weights import checkpoints as weights_module
 
     swap = weights / "swap"

@@ -11,6 +11,7 @@ import pytest
 from maskroll.proto.records import SamplingOptions
 from maskroll.proto.sampling import temperature_problem
 from maskroll.server.engines.contract import EngineLimits, EngineRequest, SamplingParams, check_request
+from maskroll.server.errors import InvalidArgument
 from maskroll.server.generation.validation import (
     Caps,
     check_ids,
@@ -18,7 +19,6 @@ from maskroll.server.generation.validation import (
     engine_requests,
     sampling_params,
 )
-from maskroll.server.grpc_api.errors import InvalidArgument
 
 CAPS = Caps(vocab_size=100, max_model_len=64, max_logprobs=20, max_tokens=50, max_n=8)
 PROMPT = np.array([1, 2, 3], np.int32)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from maskroll.server.grpc_api.errors import InvalidArgument, PermissionDenied
+from maskroll.server.errors import InvalidArgument, PermissionDenied
 from maskroll.server.weights.checkpoints import open_checked, resolve_checkpoint
 
 

@@ -12,7 +12,7 @@ import torch
 from push_helpers import messages
 
 from maskroll.proto import wire
-from maskroll.server.grpc_api.errors import InvalidArgument
+from maskroll.server.errors import InvalidArgument
 from maskroll.server.weights import receive as weight_stream
 
 TENSORS = {
@@ -98,7 +98,7 @@ def test_a_cancelled_push_leaves_no_file_in_the_spool(tmp_path):
 
 
 def test_a_push_larger_than_free_memory_is_refused_before_any_byte(monkeypatch):
-    from maskroll.server.grpc_api.errors import FailedPrecondition
+    from maskroll.server.errors import FailedPrecondition
 
     monkeypatch.setattr(weight_stream, "memory_available", lambda: 1 << 20)
     big = {"w": torch.zeros(1 << 20)}  # 4 MiB
@@ -142,7 +142,7 @@ def test_concurrent_pushes_into_the_spool_reserve_its_disk(tmp_path):
     import shutil
 
     from maskroll.proto.tensor_push import TensorSpec, WeightsManifest
-    from maskroll.server.grpc_api.errors import FailedPrecondition
+    from maskroll.server.errors import FailedPrecondition
 
     n = int(shutil.disk_usage(tmp_path).free * 0.6) // 4
     spec = TensorSpec(name="w", dtype="F32", shape=(n,), nbytes=4 * n, crc32=0)
