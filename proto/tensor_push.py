@@ -1,31 +1,19 @@
 """The manifest of a pushed state dict (PushWeights): which tensors follow, their layout and checksums.
 
 A push is the manifest, then every tensor's raw little-endian bytes in manifest order, cut into chunks
-of at most `chunk_bytes`. Dtypes are named as safetensors names them (F32, BF16, ...), so the replica
-can place the bytes straight into tensors of those dtypes, or into a safetensors file it loads like a
-checkpoint directory (server/weights/receive.py). Pure data and checks: knows nothing of torch (the
-trainer side turns tensors into these), grpc or protobuf (`wire.py` converts).
+of at most `chunk_bytes`. Dtypes are named as safetensors names them (F32, BF16, ...: the table is
+`safetensors_layout`'s), so the replica can place the bytes straight into tensors of those dtypes, or
+into a safetensors file it loads like a checkpoint directory (server/weights). Pure data and checks:
+knows nothing of torch (the trainer side turns tensors into these), grpc or protobuf (`wire.py`
+converts).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# safetensors dtype name -> bytes per element
-DTYPE_SIZES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
+from .safetensors_layout import ITEM_SIZES
+
 # A chunk rides in one gRPC message, which the replica caps (--max-message-bytes, 16 MiB by default).
 # 4 MiB: large enough that the per-message cost is noise next to the bytes (1 MiB costs 5-10 % more CPU
 # on either side), small next to what gRPC's flow-control window buffers anyway on a fast link (tens of
@@ -45,13 +33,11 @@ class TensorSpec:
         """Raise ValueError naming the tensor if its layout is inconsistent."""
         if not self.name:
             raise ValueError("a tensor in the manifest has an empty name")
-        if self.dtype not in DTYPE_SIZES:
-            raise ValueError(
-                f"tensor {self.name!r}: dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}"
-            )
+        if self.dtype not in ITEM_SIZES:
+            raise ValueError(f"tensor {self.name!r}: dtype {self.dtype!r} is not one of {sorted(ITEM_SIZES)}")
         if any(d < 0 for d in self.shape):
             raise ValueError(f"tensor {self.name!r}: negative dimension in shape {list(self.shape)}")
-        n = DTYPE_SIZES[self.dtype]
+        n = ITEM_SIZES[self.dtype]
         for d in self.shape:
             n *= d
         if n != self.nbytes:

@@ -21,8 +21,9 @@ and the other ranks are training: no gather is possible), (c) with `save_root` i
 cost: the push starts after the gather, not during it — as a plain model's snapshot precedes its push.
 
 The file is the safetensors layout (8-byte header length, JSON header, tensors back to back in
-state-dict order) written with its header first, which needs only names, dtypes and global shapes: the
-DTensors' metadata, no gather. Knows nothing of queues, replicas or gRPC.
+state-dict order) written with its header first (`proto.safetensors_layout`, the same bytes as the
+replica's spool of a push), which needs only names, dtypes and global shapes: the DTensors' metadata, no
+gather. Knows nothing of queues, replicas or gRPC.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 
 from maskroll.proto.fingerprint import sample_indices, weights_fingerprint
 from maskroll.proto.heap import trim_heap
+from maskroll.proto.safetensors_layout import TORCH_NAMES, safetensors_header
 from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES, TensorSpec, WeightsManifest
 
 from .checkpoint import CHECKPOINT_FILE
@@ -69,9 +71,12 @@ def is_sharded(model: State | torch.nn.Module) -> bool:
     return any(isinstance(t, dtensor) for t in state_of(model).values())
 
 
-def _dtype_name(name: str, dtype: torch.dtype) -> str:
-    from .stream import SAFETENSORS_DTYPES
+# torch dtype -> its safetensors name: the dtypes a push may carry (proto's table, by torch's names)
+SAFETENSORS_DTYPES = {getattr(torch, torch_name): name for name, torch_name in TORCH_NAMES.items()}
 
+
+def dtype_name(name: str, dtype: torch.dtype) -> str:
+    """The safetensors name of tensor `name`'s dtype; ValueError naming it for one a push cannot carry."""
     if dtype not in SAFETENSORS_DTYPES:
         raise ValueError(f"tensor {name!r} has dtype {dtype}, which cannot be pushed")
     return SAFETENSORS_DTYPES[dtype]
@@ -82,27 +87,9 @@ def specs_of(state: State) -> list[TensorSpec]:
     shape is the global one): what the file's header needs before any byte is gathered. CRC-32 0."""
     specs = []
     for name, t in state.items():
-        dtype = _dtype_name(name, t.dtype)
+        dtype = dtype_name(name, t.dtype)
         specs.append(TensorSpec(name, dtype, tuple(t.shape), t.numel() * t.element_size()))
     return specs
-
-
-def safetensors_header(specs: list[TensorSpec]) -> bytes:
-    """The safetensors prefix (u64 little-endian length + JSON header padded to 8 bytes) of a file that
-    holds `specs`' tensors back to back in order. The same bytes as the replica's own spool writer
-    (server/weights/receive.py), which the trainer side may not import."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for s in specs:
-        header[s.name] = {
-            "dtype": s.dtype,
-            "shape": list(s.shape),
-            "data_offsets": [offset, offset + s.nbytes],
-        }
-        offset += s.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
 
 
 def gathered(state: State, keep: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
@@ -289,7 +276,7 @@ def read_written(path: str | os.PathLike, version: int) -> WrittenVersion:
             t = f.get_tensor(name).contiguous()
             raw = _raw(t)
             specs.append(
-                TensorSpec(name, _dtype_name(name, t.dtype), tuple(t.shape), raw.nbytes, zlib.crc32(raw))
+                TensorSpec(name, dtype_name(name, t.dtype), tuple(t.shape), raw.nbytes, zlib.crc32(raw))
             )
             key = (header[name]["data_offsets"][0], tuple(t.shape))
             if t.is_floating_point() and key not in seen:

@@ -44,32 +44,18 @@ import torch
 
 from maskroll.client import BroadcastError
 from maskroll.proto.heap import trim_heap
+from maskroll.proto.safetensors_layout import safetensors_header
 from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES, AdapterSpec, TensorSpec, WeightsManifest
 
 from . import broadcast, lora
 from .checkpoint import checkpoint_dir, load_checkpoint, prune
 from .fingerprint import model_fingerprint
 from .publish import WeightSyncError, checked, next_version, publish_first
-from .sharded import WrittenVersion, safetensors_header, version_file
+from .sharded import WrittenVersion, dtype_name, version_file
 
 log = logging.getLogger(__name__)
 
 STREAM_RECORD = "stream"  # the run record's `checkpoint` for a version only the trainer holds
-
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
 
 
 def snapshot(state_dict: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -89,17 +75,15 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 def manifest_of(tensors: Mapping[str, torch.Tensor], version: int, run_id: str = "") -> WeightsManifest:
     """The manifest of `tensors` (CPU, contiguous), each with its CRC-32."""
-    for name, t in tensors.items():
-        if t.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which cannot be pushed")
+    dtypes = [dtype_name(name, t.dtype) for name, t in tensors.items()]  # before any byte is summed
     raws = [_raw(t) for t in tensors.values()]
     # The checksums are on the critical path (the manifest goes first): zlib releases the GIL, so the
     # tensors are summed on every core (0.15 s for 472 MB on one).
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="maskroll-crc") as pool:
         crcs = list(pool.map(zlib.crc32, raws))
     specs = (
-        TensorSpec(name, SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), raw.nbytes, crc)
-        for (name, t), raw, crc in zip(tensors.items(), raws, crcs, strict=True)
+        TensorSpec(name, dtype, tuple(t.shape), raw.nbytes, crc)
+        for (name, t), dtype, raw, crc in zip(tensors.items(), dtypes, raws, crcs, strict=True)
     )
     return WeightsManifest(version=version, tensors=tuple(specs), run_id=run_id)
 
