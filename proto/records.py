@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import sampling
+from .tensor_push import CollectiveSpec
 
 SCHEMA_VERSION = 1
 # A RolloutRecord with a loss mask (a multi-turn trajectory) is written as version 2: its logprob arrays
@@ -46,6 +47,22 @@ class SamplingOptions:
     def problems(self) -> list[str]:
         """What needs no server knowledge (`sampling.problems`); the server re-checks with its limits."""
         return sampling.problems(self, n=self.n)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A Generate request as a replica serves it: the gRPC message's (and the native JSON API's) fields as
+    plain values (`wire.generate_from_pb`); what the SDK sends is built by `wire.generate_request`."""
+
+    prompt_ids: np.ndarray  # int32 [P]
+    options: SamplingOptions
+    request_id: str = ""  # "" = the replica makes one
+    job_id: str = ""  # gives the rollout ids (a retried job yields the same ones)
+    group_id: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    rollout_stream: str = ""  # publish the finished records there ("" = don't)
+    include_record_arrays: bool = False  # the last chunk's record carries its arrays too
+    namespace: str = ""  # sample with this namespace's current LoRA adapter ("" = the replica's own)
 
 
 @dataclass(frozen=True)
@@ -407,11 +424,12 @@ class ServerInfo:
 
 @dataclass(frozen=True)
 class WeightsUpdate:
-    """An UpdateWeights request: a checkpoint directory, or (not implemented yet) an NCCL broadcast."""
+    """An UpdateWeights request: a checkpoint directory, an NCCL broadcast, or the starting weights
+    adopted (exactly one source is set)."""
 
     version: int
     checkpoint_dir: str | None = None  # set when the source is a checkpoint
-    collective: bool = False  # the source is a CollectiveSource
+    collective: CollectiveSpec | None = None  # set when the source is a CollectiveSource (NCCL)
     run_id: str = ""  # the run the version belongs to ("" = a client older than runs)
     # set when the source is an AdoptSource: the starting weights' fingerprint the trainer expects
     adopt_fingerprint: str | None = None

@@ -21,6 +21,7 @@ from .records import (
     MULTI_TURN_SCHEMA_VERSION,
     SCHEMA_VERSION,
     AdapterInfo,
+    GenerateRequest,
     PromptJob,
     RolloutChunk,
     RolloutRecord,
@@ -121,6 +122,21 @@ def prompt_from_pb(m: pb.GenerateRequest) -> np.ndarray:
     if len(m.prompt_token_ids) % 4:
         raise WireError(f"prompt_token_ids: {len(m.prompt_token_ids)} bytes is not a whole number of int32")
     return unpack(m.prompt_token_ids, _I32, (len(m.prompt_token_ids) // 4,), "prompt_token_ids")
+
+
+def generate_from_pb(m: pb.GenerateRequest) -> GenerateRequest:
+    """The request a replica serves (WireError when its prompt does not decode)."""
+    return GenerateRequest(
+        prompt_ids=prompt_from_pb(m),
+        options=options_from_pb(m.options),
+        request_id=m.request_id,
+        job_id=m.job_id,
+        group_id=m.group_id,
+        metadata=dict(m.metadata),
+        rollout_stream=m.rollout_stream,
+        include_record_arrays=m.include_record_arrays,
+        namespace=m.namespace,
+    )
 
 
 # ---- prompt jobs ----------------------------------------------------------------------------------
@@ -595,7 +611,7 @@ def update_from_pb(m: pb.UpdateWeightsRequest) -> WeightsUpdate:
     return WeightsUpdate(
         version=m.version,
         checkpoint_dir=m.checkpoint.path if source == "checkpoint" else None,
-        collective=source == "collective",
+        collective=collective_from_pb(m),
         run_id=m.run_id,
         adopt_fingerprint=m.adopt.weights_fingerprint if source == "adopt" else None,
     )

@@ -44,6 +44,7 @@ from . import lanes as lanes_
 from .activity import log_activity
 from .auth import BearerTokenInterceptor, server_credentials
 from .config import ConfigError, ServerConfig
+from .core import ReplicaCore
 from .engines.contract import Engine
 from .grpc_api.servicer import RolloutServicer, add_raw_handlers
 from .lanes import Lane
@@ -78,6 +79,7 @@ def _hostport(host: str, port: int) -> str:
 class Replica:
     config: ServerConfig
     engine: Engine
+    core: ReplicaCore  # what the replica is and does (core.py); both front ends adapt it
     servicer: RolloutServicer
     health: health_aio.HealthServicer
     server: grpc.aio.Server
@@ -112,9 +114,7 @@ class Replica:
 
     def abort_all(self) -> None:
         """End every in-flight request of both front ends now (a second SIGTERM)."""
-        self.servicer.abort_all()
-        if self.http is not None:
-            self.http.abort_all()
+        self.core.running.abort_all()
 
     @property
     def address(self) -> str:
@@ -138,7 +138,7 @@ class Replica:
             if lane.announce_task is not None:  # out of the registry: trainers stop pushing to it
                 with contextlib.suppress(Exception):
                     await self.redis.delete(lane.keys.replica(self.config.replica_id))
-        self.servicer.begin_drain()
+        self.core.running.begin_drain()
         # The HTTP front end drains beside gRPC, under the same timeout, and is closed before the engine.
         http_drain = asyncio.create_task(self.http.drain(timeout_s)) if self.http is not None else None
         started = asyncio.get_running_loop().time()
@@ -161,13 +161,12 @@ class Replica:
             with contextlib.suppress(Exception):
                 await self.reward_worker.unregister()
             self.reward_worker.scorer.close()
-        if not await self.servicer.wait_idle(timeout_s):
-            log.warning(
-                "drain: %d requests still running after %.1f s; aborting", self.servicer.in_flight, timeout_s
-            )
-            self.servicer.abort_all()
-            if not await self.servicer.wait_idle(ABORT_GRACE_S):
-                log.warning("drain: %d requests did not end after the abort", self.servicer.in_flight)
+        running = self.core.running
+        if not await running.wait_idle(timeout_s):
+            log.warning("drain: %d requests still running after %.1f s; aborting", len(running), timeout_s)
+            running.abort_all()
+            if not await running.wait_idle(ABORT_GRACE_S):
+                log.warning("drain: %d requests did not end after the abort", len(running))
         # Whatever is left (health Watch streams, a client not reading its last chunks) is cancelled.
         await self.server.stop(grace=STOP_GRACE_S)
         if http_drain is not None:
@@ -207,10 +206,11 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
     redis, lanes = await _queue(config, metrics)
     publisher = lanes[0].publisher if lanes else None  # --namespace's: Generate's and HTTP's records
     try:
-        servicer = RolloutServicer(engine, config, metrics, publisher)
-        servicer.not_ready = STARTING
-        servicer.base_fingerprint = await _starting_fingerprint(config, engine)
-        servicer.tokenizer_fingerprint = await _tokenizer_fingerprint(config)
+        core = ReplicaCore(engine, config, metrics, publisher)
+        core.not_ready = STARTING
+        core.updates.base_fingerprint = await _starting_fingerprint(config, engine)
+        core.tokenizer_fingerprint = await _tokenizer_fingerprint(config)
+        servicer = RolloutServicer(core)
         health = health_aio.HealthServicer()
         for service in ("", SERVICE_NAME):
             await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -229,6 +229,7 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
     replica = Replica(
         config=config,
         engine=engine,
+        core=core,
         servicer=servicer,
         health=health,
         server=server,
@@ -244,7 +245,7 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
         # several namespaces share pull_concurrency (taken in turn); one keeps its own, as it always had
         slots = JobSlots(config.pull_concurrency) if len(lanes) > 1 else None
         for lane in lanes:
-            lane.puller = _puller(config, engine, redis, lane, port, servicer, metrics, slots)
+            lane.puller = _puller(config, engine, redis, lane, port, core, slots)
     else:  # publishes records: trainers must find it
         for lane in lanes:
             name = f"registry-heartbeat-{lane.namespace}"
@@ -306,7 +307,7 @@ async def _join_all(replica: Replica) -> None:
     """Join every namespace's run, all at once (a streamed run waits for its trainer's push: those waits
     overlap); a namespace whose run record is invalid keeps retrying in the background."""
     if not replica.lanes:  # no Redis: no run to join
-        replica.servicer.not_ready = None
+        replica.core.not_ready = None
         return
     for lane in replica.lanes:
         lane.not_ready = STARTING
@@ -331,10 +332,10 @@ async def _join(replica: Replica, lane: Lane) -> bool:
         if lane.not_ready != reason:
             log.error("%s%s", reason, lane.label)
         lane.not_ready = reason
-        replica.servicer.not_ready = lanes_.not_ready(replica.lanes)
+        replica.core.not_ready = lanes_.not_ready(replica.lanes)
         return False
     lane.not_ready = None
-    replica.servicer.not_ready = lanes_.not_ready(replica.lanes)
+    replica.core.not_ready = lanes_.not_ready(replica.lanes)
     if lane.puller is not None and lane.puller_task is None:
         name = "prompt-puller" if len(replica.lanes) == 1 else f"prompt-puller-{lane.namespace}"
         lane.puller_task = asyncio.create_task(lane.puller.supervise(), name=name)
@@ -389,7 +390,7 @@ async def _start_http(replica: Replica, publisher: RolloutPublisher | None):
 
     c = replica.config
     try:
-        http = await HttpFrontEnd.create(c, replica.engine, replica.servicer, replica.metrics, publisher)
+        http = await HttpFrontEnd.create(replica.core, replica.servicer)
         http.problems = lambda: problems(replica)
         await http.start()
     except OSError as exc:
@@ -400,7 +401,7 @@ async def _start_http(replica: Replica, publisher: RolloutPublisher | None):
 def problems(replica: Replica) -> list[str]:
     """Why the replica cannot serve now (empty: it can): not joined its run yet, the engine's and the
     puller's reasons."""
-    found = [replica.servicer.not_ready, replica.engine.failure()]
+    found = [replica.core.not_ready, replica.engine.failure()]
     for lane in replica.lanes:
         if lane.puller is not None and lane.puller_task is not None:
             failure = lane.puller.failure()
@@ -491,19 +492,18 @@ def _grpc_server(
     return server, port
 
 
-def _replica_info(
-    config: ServerConfig, engine: Engine, port: int, servicer: RolloutServicer, metrics: Metrics, lane: Lane
-) -> Callable[[], dict]:
+def _replica_info(core: ReplicaCore, port: int, lane: Lane) -> Callable[[], dict]:
     """What the registry heartbeat of one namespace says of this replica besides its jobs: address,
     model, the weights that namespace is served (its run and version: `Lane.served`), and the replica's
     load (tokens/s since the previous heartbeat, from its own metrics)."""
+    config, engine, metrics = core.config, core.engine, core.metrics
     address = config.advertise_address or _hostport(config.host, port)
     last = [activity.snapshot(metrics)]
 
     def info() -> dict:
         now = activity.snapshot(metrics)
         before, last[0] = last[0], now
-        run_id, version = lane.served(servicer)
+        run_id, version = lane.served(core)
         return {
             "address": address,
             "engine": engine.name,
@@ -522,12 +522,12 @@ async def _announce(replica: Replica, lane: Lane) -> None:
     (HTTP sessions, Generate with a rollout stream): trainers find it there, push it each new version and
     count it live. A puller writes its own (with its running jobs)."""
     config, keys = replica.config, lane.keys
-    info = _replica_info(config, replica.engine, replica.port, replica.servicer, replica.metrics, lane)
+    info = _replica_info(replica.core, replica.port, lane)
     period = max(0.2, config.heartbeat_ttl_s / 3)
     while True:
         try:
             beat = encode_heartbeat(
-                config.replica_id, **info(), active_jobs=replica.servicer.in_flight, pull=False
+                config.replica_id, **info(), active_jobs=len(replica.core.running), pull=False
             )
             await replica.redis.set(
                 keys.replica(config.replica_id), beat, px=int(config.heartbeat_ttl_s * 1000)
@@ -540,28 +540,23 @@ async def _announce(replica: Replica, lane: Lane) -> None:
 
 
 def _puller(
-    config: ServerConfig,
-    engine: Engine,
-    redis: object,
-    lane: Lane,
-    port: int,
-    servicer: RolloutServicer,
-    metrics: Metrics,
-    slots: JobSlots | None,
+    config: ServerConfig, engine: Engine, redis: object, lane: Lane, port: int, core: ReplicaCore, slots
 ) -> PromptPuller:
     """Pull mode: consume the namespace's prompt jobs (sampled with its adapter), advertising this replica
-    in the namespace's registry; `slots`: pull_concurrency shared with the other namespaces' pullers."""
+    in the namespace's registry; `slots` (a JobSlots or None): pull_concurrency shared with the other
+    namespaces' pullers."""
+    runner = JobRunner(engine, config, core.adapters, lane.namespace, pipeline=core.serving.pipeline)
     return PromptPuller(
         redis,
         lane.keys,
         config.replica_id,
-        JobRunner(engine, config, servicer.adapters, lane.namespace),
+        runner,
         lane.publisher,
         concurrency=config.pull_concurrency,
         claim_idle_s=config.claim_idle_s,
         heartbeat_ttl_s=config.heartbeat_ttl_s,
         max_deliveries=config.max_job_deliveries,
-        replica_info=_replica_info(config, engine, port, servicer, metrics, lane),
+        replica_info=_replica_info(core, port, lane),
         slots=slots,
     )
 
@@ -622,7 +617,7 @@ async def serve(config: ServerConfig) -> int:
     print(ready_line(replica), flush=True)
     await stop.wait()
     log.info(
-        "draining: %d requests in flight, up to %.1f s", replica.servicer.in_flight, config.drain_timeout_s
+        "draining: %d requests in flight, up to %.1f s", len(replica.core.running), config.drain_timeout_s
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, replica.abort_all)

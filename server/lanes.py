@@ -37,14 +37,14 @@ class Lane:
     join_task: asyncio.Task | None = None  # retrying the join while the run record is invalid
     not_ready: str | None = None  # why this namespace cannot serve yet (joining; an invalid run record)
 
-    def served(self, servicer) -> tuple[str, int]:
-        """(run id, version) that samples this namespace's jobs: its run's current adapter; without one,
-        for --namespace the weights the replica serves (its run and policy version, as ever), for a
-        further namespace the base ("", 0)."""
-        found = servicer.adapters.served(self.namespace)
+    def served(self, core) -> tuple[str, int]:
+        """(run id, version) that samples this namespace's jobs (`core`: the replica's core.ReplicaCore):
+        its run's current adapter; without one, for --namespace the weights the replica serves (its run
+        and policy version, as ever), for a further namespace the base ("", 0)."""
+        found = core.adapters.served(self.namespace)
         if found is not None:
             return found
-        return servicer.weights_served if self.primary else ("", 0)
+        return core.updates.weights_served if self.primary else ("", 0)
 
 
 async def open_lanes(config: ServerConfig, redis, cluster: bool, metrics: Metrics) -> list[Lane]:

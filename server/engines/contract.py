@@ -33,7 +33,7 @@ import numpy as np
 
 from maskroll.proto import sampling
 from maskroll.proto.prompts import prompt_problem
-from maskroll.proto.tensor_push import AdapterSpec
+from maskroll.proto.tensor_push import AdapterSpec, CollectiveSpec
 
 
 class EngineDead(Exception):
@@ -221,12 +221,25 @@ def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
     return ()
 
 
+@dataclass(frozen=True)
+class WeightCapabilities:
+    """The weight sources an engine loads besides a checkpoint directory (`Engine.update_weights`, which
+    every engine has). server/weights/ asks these and nothing else: a new weight transport is a module
+    there plus a capability here."""
+
+    # update_weights_from_tensors: a push received straight into memory (one copy, no disk); without it
+    # a push is spooled to a file and loaded as a directory
+    tensors: bool = False
+    nccl: bool = False  # init_weight_transfer + update_weights_collective: NCCL broadcasts (GPUs)
+
+
 class Engine(abc.ABC):
     """A generation backend. One instance per server process; `start` before use, `close` at exit."""
 
     name: str  # "vllm" | "torch"
     version: str  # engine library version
     model_id: str
+    weight_capabilities: WeightCapabilities = WeightCapabilities()
 
     @property
     @abc.abstractmethod
@@ -263,6 +276,20 @@ class Engine(abc.ABC):
         """Load safetensors weights from `checkpoint_dir` and make `version` current. In-flight requests
         are paused (not dropped) while loading and resume under the new version. Returns the number of
         requests that were in flight."""
+
+    async def update_weights_from_tensors(self, version: int, tensors: dict, label: str) -> int:
+        """`update_weights` for tensors already in memory ({name: CPU tensor}, consumed), checked as a
+        checkpoint's are; `label` names them in errors. Only with `weight_capabilities.tensors`."""
+        raise NotImplementedError(f"the {self.name} engine loads weights from files only")
+
+    async def init_weight_transfer(self, spec: CollectiveSpec) -> None:
+        """Join the trainer's NCCL group (no weights change). Only with `weight_capabilities.nccl`."""
+        raise NotImplementedError(f"the {self.name} engine takes no NCCL weights")
+
+    async def update_weights_collective(self, version: int, spec: CollectiveSpec) -> int:
+        """Receive `spec.tensors` over the joined group and make `version` current (requests paused, as
+        for `update_weights`); returns the requests paused. Only with `weight_capabilities.nccl`."""
+        raise NotImplementedError(f"the {self.name} engine takes no NCCL weights")
 
     @property
     def max_lora_rank(self) -> int:

@@ -56,6 +56,7 @@ from .contract import (
     SamplingParams,
     ScoreOutput,
     ScoreRequest,
+    WeightCapabilities,
     check_request,
     check_score_request,
     eos_token_ids,
@@ -154,6 +155,7 @@ class TorchEngine(Engine):
     """
 
     name = "torch"
+    weight_capabilities = WeightCapabilities(tensors=True)  # a push loads from memory: no spool file
 
     def __init__(
         self,
@@ -367,7 +369,7 @@ class TorchEngine(Engine):
         return await self._submit_update(version, tensors)
 
     async def update_weights_from_tensors(self, version: int, tensors: dict[str, Tensor], label: str) -> int:
-        """update_weights for tensors already in memory (a push received by server/weights/receive.py),
+        """update_weights for tensors already in memory (a push received by server/weights/stream.py),
         with the same checks; `label` names them in errors. The dict is consumed: its tensors become
         the checked (and cast) ones, so the update holds one copy of the weights, not two."""
         if self._thread is None:

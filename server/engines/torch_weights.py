@@ -49,15 +49,15 @@ def read_checkpoint(checkpoint: Checkpoint | Path) -> tuple[dict[str, Tensor], s
     through the files `weights` checked (no symlink followed, inode unchanged)."""
     # Imported here, as before the split: loading the engine module loads no gRPC (the path checks'
     # errors are gRPC statuses).
-    from ..weights import checkpoints as weights
+    from ..weights import checkpoints
 
-    checkpoint = weights.checkpoint_of(checkpoint)
+    checkpoint = checkpoints.checkpoint_of(checkpoint)
     directory = checkpoint.path
     tensors: dict[str, Tensor] = {}
-    with weights.open_checked(checkpoint) as opened:
+    with checkpoints.open_checked(checkpoint) as opened:
         for f, fd in opened:
             # plain reads, no mmap: the update holds one copy of the weights (docs/architecture.md)
-            for key, t in weights.read_safetensors(fd, str(f.real)):
+            for key, t in checkpoints.read_safetensors(fd, str(f.real)):
                 if key in tensors:
                     raise ValueError(f"{key!r} appears in more than one file of {directory}")
                 tensors[key] = t

@@ -28,8 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, EngineConfig
-from ..weights import checkpoints as weights
-from ..weights import tensor_rules
+from ..weights import checkpoints, tensor_rules
 from .contract import (
     AdapterRef,
     Engine,
@@ -41,6 +40,7 @@ from .contract import (
     LoraWeights,
     ScoreOutput,
     ScoreRequest,
+    WeightCapabilities,
     check_request,
     check_score_request,
     eos_token_ids,
@@ -127,7 +127,7 @@ def engine_args(
 
 
 def check_checkpoint(
-    checkpoint: weights.Checkpoint | Path, reference_dir: Path, *, dtype: str | None = None
+    checkpoint: checkpoints.Checkpoint | Path, reference_dir: Path, *, dtype: str | None = None
 ) -> None:
     """Refuse a checkpoint that breaks the weight rules (`tensor_rules`: names, shapes, dtypes against the
     served model's files in `reference_dir`, finite values once cast to `dtype`, the engine's; None: as
@@ -135,9 +135,9 @@ def check_checkpoint(
 
     vLLM reloads layer by layer into the live model (model_executor/model_loader/reload/inplace.py);
     a mismatch found there leaves the replica half-updated, so it is caught here, before pausing."""
-    checkpoint = weights.checkpoint_of(checkpoint)
-    with weights.open_checked(checkpoint) as opened:
-        paths = [(str(f.real), weights.fd_path(fd, f.real)) for f, fd in opened]
+    checkpoint = checkpoints.checkpoint_of(checkpoint)
+    with checkpoints.open_checked(checkpoint) as opened:
+        paths = [(str(f.real), checkpoints.fd_path(fd, f.real)) for f, fd in opened]
         new = tensor_rules.file_layouts(paths, check_finite=True, served_dtype=dtype)
     if not new:
         raise FileNotFoundError(f"no tensors in {checkpoint}")
@@ -168,6 +168,8 @@ class VllmEngine(Engine):
     """vLLM `AsyncLLM` with processed logprobs. One per process; `start()` inside the serving event loop."""
 
     name = "vllm"
+    # Its workers read files by path (another process): a push is spooled to a file; NCCL on GPUs.
+    weight_capabilities = WeightCapabilities(nccl=True)
 
     def __init__(
         self,
@@ -515,7 +517,7 @@ class VllmEngine(Engine):
 
         from vllm.lora.request import LoRARequest
 
-        from ..weights.receive import spool_root
+        from ..weights.stream import spool_root
 
         if self._llm is None:
             raise RuntimeError("VllmEngine.start() has not been called")
@@ -611,7 +613,7 @@ class VllmEngine(Engine):
         workers' RSS) and `model.load_weights(iterator)` copies each into its parameter as it comes;
         the layerwise reload holds at most one layer's tensors before processing them (reload/
         layerwise.py). A pushed version (PushWeights) reaches here as a file in the replica's spool
-        (server/weights/receive.py), written one chunk at a time, so a vLLM replica's update costs about
+        (server/weights/stream.py), written one chunk at a time, so a vLLM replica's update costs about
         one layer, against one whole model for an engine that checks everything before it loads (the
         torch engine). `check_checkpoint` reads each tensor once for the finite check, one at a time.
         """
@@ -622,7 +624,7 @@ class VllmEngine(Engine):
         async with self._update_lock:
             # Which versions may follow which is the servicer's rule (per run: a new run reloads at
             # any version); the engine only labels tokens with what it is given.
-            checkpoint = weights.checkpoint_of(checkpoint_dir)
+            checkpoint = checkpoints.checkpoint_of(checkpoint_dir)
             check_checkpoint(checkpoint, self.model_dir, dtype=self.settings.dtype or None)
             checkpoint_dir = checkpoint.path
             in_flight = len(self._active)
@@ -631,7 +633,7 @@ class VllmEngine(Engine):
                 # vLLM opens the files by path: verify, right before, that they are still the files
                 # checked (no symlink swapped in, same inodes, no file added). What is left is the
                 # moment between this check and vLLM's own open.
-                with weights.open_checked(checkpoint):
+                with checkpoints.open_checked(checkpoint):
                     await self._reload(checkpoint_dir)
             except BaseException:
                 await self._recover()
@@ -666,7 +668,7 @@ class VllmEngine(Engine):
         """Receive the tensors `spec.tensors` (names, torch dtype names, shapes, in the trainer's order)
         from the trainer's NCCL broadcast into the live model, with update_weights' pause / relabel /
         resume. The names, shapes and dtypes are checked against the served model first (a mismatch would
-        hang NCCL or load garbage); finite values are the trainer's check (weight_sync/collective.py), as the
+        hang NCCL or load garbage); finite values are the trainer's check (weight_sync/nccl.py), as the
         bytes land in the model directly. vLLM loads them layer by layer with its layerwise reload, so
         the replica holds no copy of the weights beyond one packed buffer.
         Shim: AsyncLLM.start_weight_update / update_weights / finish_weight_update

@@ -9,7 +9,7 @@ lora/lora_model.py LoRAModel.from_local_checkpoint):
 - adapter_model.safetensors: "base_model.model.<module>.lora_A.weight" [r, in] and ".lora_B.weight"
   [out, r], the pushed dtype (vLLM casts to its lora_dtype, the model's by default).
 
-Each adapter gets its own fresh directory under the replica's private spool (`weights.receive.spool_root`),
+Each adapter gets its own fresh directory under the replica's private spool (`weights.stream.spool_root`),
 named by its never-reused id: vLLM keys its prefix cache by (adapter name, path), and re-reads the
 directory whenever its worker has dropped the adapter (a weight reload), so the directory lives exactly as
 long as the adapter is resident.

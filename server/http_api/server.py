@@ -21,11 +21,8 @@ from collections.abc import Callable
 
 import uvicorn
 
-from ..config import ServerConfig
-from ..engines.contract import Engine
+from ..core import ReplicaCore
 from ..grpc_api.servicer import RolloutServicer
-from ..metrics import Metrics
-from ..pull.publisher import RolloutPublisher
 from .chat import ChatFormat
 from .openai_serving import OpenAIServing
 from .routes import build_app
@@ -51,32 +48,23 @@ class _Server(uvicorn.Server):
 
 
 class HttpFrontEnd:
-    def __init__(
-        self,
-        config: ServerConfig,
-        engine: Engine,
-        servicer: RolloutServicer,
-        metrics: Metrics,
-        publisher: RolloutPublisher | None,
-        chat: ChatFormat,
-    ) -> None:
-        self.config, self.servicer, self.metrics = config, servicer, metrics
-        # The run of the weights served is the servicer's (UpdateWeights sets it, over gRPC or HTTP).
+    def __init__(self, core: ReplicaCore, servicer: RolloutServicer, chat: ChatFormat) -> None:
+        config, engine, metrics = core.config, core.engine, core.metrics
+        self.core, self.config, self.servicer, self.metrics = core, config, servicer, metrics
+        # The run of the weights served is the core's (UpdateWeights sets it, over gRPC or HTTP).
         self.serving = OpenAIServing(
             engine,
             config,
             chat,
             metrics,
-            publisher,
-            lambda: servicer.info().run_id,
-            not_ready=lambda: servicer.not_ready,
-            adapters=servicer.adapters,
+            core.serving.publisher,
+            lambda: core.updates.run_id,
+            not_ready=lambda: core.not_ready,
+            adapters=core.adapters,
         )
         # Why the replica is not ready (/readyz): server/app.py sets the replica's own rule, which the
-        # gRPC health services follow too; by default the servicer's and the engine's reasons.
-        self.problems: Callable[[], list[str]] = lambda: [
-            p for p in (servicer.not_ready, engine.failure()) if p
-        ]
+        # gRPC health services follow too; by default the core's and the engine's reasons.
+        self.problems: Callable[[], list[str]] = lambda: [p for p in (core.not_ready, engine.failure()) if p]
         self.app = build_app(self)
         self.port: int | None = None
         self._server: _Server | None = None
@@ -84,18 +72,11 @@ class HttpFrontEnd:
         self._drained = False
 
     @classmethod
-    async def create(
-        cls,
-        config: ServerConfig,
-        engine: Engine,
-        servicer: RolloutServicer,
-        metrics: Metrics,
-        publisher: RolloutPublisher | None,
-    ) -> HttpFrontEnd:
+    async def create(cls, core: ReplicaCore, servicer: RolloutServicer) -> HttpFrontEnd:
         # transformers' import and the tokenizer load take seconds: off the event loop.
-        chat = await asyncio.to_thread(ChatFormat, config.model)
-        chat.limit(engine.limits.max_model_len)  # texts the context cannot hold are refused untokenized
-        return cls(config, engine, servicer, metrics, publisher, chat)
+        chat = await asyncio.to_thread(ChatFormat, core.config.model)
+        chat.limit(core.engine.limits.max_model_len)  # texts the context cannot hold are refused untokenized
+        return cls(core, servicer, chat)
 
     @property
     def scheme(self) -> str:

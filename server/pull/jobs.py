@@ -33,9 +33,12 @@ _POLL_S = 0.05
 
 
 class JobRunner:
-    def __init__(self, engine: Engine, config: ServerConfig, adapters=None, namespace: str = "") -> None:
-        """adapters: the replica's AdapterTable (None: no LoRA); namespace: the one whose jobs this runs."""
-        self.pipeline = Pipeline(engine, config)
+    def __init__(
+        self, engine: Engine, config: ServerConfig, adapters=None, namespace: str = "", *, pipeline=None
+    ) -> None:
+        """adapters: the replica's AdapterTable (None: no LoRA); namespace: the one whose jobs this runs;
+        pipeline: the replica's one (`ReplicaCore.serving.pipeline`; default: one of its own)."""
+        self.pipeline = pipeline or Pipeline(engine, config)
         self.adapters, self.namespace = adapters, namespace or config.namespace
 
     def _adapter(self):

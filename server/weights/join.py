@@ -36,8 +36,7 @@ from maskroll.proto.records import WeightsUpdate
 from maskroll.proto.run_record import RunInfo, read_run
 
 from ..errors import ServiceError
-from . import checkpoints as weights
-from . import sources as weight_sources
+from .directory import DirectorySource
 
 log = logging.getLogger("maskroll.weights")
 
@@ -61,7 +60,7 @@ async def join_current_version(replica, lane=None) -> None:
     lane = lane if lane is not None else replica.lanes[0]
     keys = lane.keys  # the layout app.py detected
     run = await read_run(replica.redis, keys)
-    if run is None or not run.checkpoint or _current(lane.served(replica.servicer), run):
+    if run is None or not run.checkpoint or _current(lane.served(replica.core), run):
         return  # no run, or nothing published: the replica's --model is what the run starts from
     if run.checkpoint == STREAM_RECORD:
         await _wait_for_push(replica, lane, run)
@@ -80,9 +79,9 @@ async def join_current_version(replica, lane=None) -> None:
 async def _load_directory(replica, lane, run: RunInfo) -> None:
     where = f"version {run.version} of run {run.run_id}{lane.label} from {run.checkpoint}"
     try:
-        path = weights.resolve_checkpoint(run.checkpoint, replica.config.weights_root)
+        source = DirectorySource.resolve(run.checkpoint, replica.config.weights_root)
         update = WeightsUpdate(version=run.version, checkpoint_dir=run.checkpoint, run_id=run.run_id)
-        result = await replica.servicer.load_source(update, weight_sources.DirectorySource(path))
+        result = await replica.core.updates.load_source(update, source)
     except ServiceError as e:
         log.warning("weights: could not join at %s (%s: %s); starting on version 0", where, e.code, e)
         return
@@ -114,7 +113,7 @@ async def _wait_for_push(replica, lane, run: RunInfo) -> None:
         # A new run of the namespace meanwhile (its record names another run id) is simply the run to
         # wait for: its first push replaces the old run's adapters (the AdapterTable's rule), nothing
         # here holds on to the old run.
-        while not _current(lane.served(replica.servicer), run):
+        while not _current(lane.served(replica.core), run):
             if time.monotonic() - t0 > timeout:
                 log.warning(
                     "weights: no push of version %d of run %s%s within %.0f s; starting on version %d",
@@ -122,7 +121,7 @@ async def _wait_for_push(replica, lane, run: RunInfo) -> None:
                     run.run_id,
                     lane.label,
                     timeout,
-                    lane.served(replica.servicer)[1],
+                    lane.served(replica.core)[1],
                 )
                 return
             await asyncio.sleep(POLL_S)

@@ -50,7 +50,7 @@ from deploy_files import (
 
 from maskroll.local.redis_server import LocalRedis, free_port
 from maskroll.server.config import ServerConfig, config_fields, load_config, vllm_available
-from maskroll.server.weights import receive as weight_stream
+from maskroll.server.weights import stream
 
 # Announced by the queue issue and used by compose.yaml / config.yaml; ServerConfig gains them there.
 PULL_MODE_FIELDS = {"redis_url", "namespace", "pull", "pull_concurrency", "advertise_address"}
@@ -172,8 +172,8 @@ def test_every_maskroll_variable_set_by_the_deployment_is_a_server_config_field(
     assert "tensor_parallel_size" in used  # the engine's settings are part of the check
     # The health check's own variables (server/healthcheck.py), set next to the server's.
     healthcheck_only = {"healthcheck_tls_ca", "healthcheck_tls_server_name"}
-    # Read by server/weights/receive.py where a push is received, not a ServerConfig field.
-    assert weight_stream.SPOOL_ENV == "MASKROLL_WEIGHTS_SPOOL" and "weights_spool" in used
+    # Read by server/weights/stream.py where a push is received, not a ServerConfig field.
+    assert stream.SPOOL_ENV == "MASKROLL_WEIGHTS_SPOOL" and "weights_spool" in used
     unknown = used - set(config_fields()) - healthcheck_only - {"weights_spool"}
     assert unknown == set()
 

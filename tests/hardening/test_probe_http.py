@@ -36,7 +36,7 @@ from maskroll.proto._generated import rollout_pb2 as pb
 from maskroll.proto._generated import rollout_pb2_grpc as pb_grpc
 from maskroll.proto.streams import StreamKeys
 from maskroll.proto.tensor_push import TensorSpec, WeightsManifest
-from maskroll.server.weights.receive import memory_available
+from maskroll.server.weights.stream import memory_available
 
 pytestmark = pytest.mark.slow
 NS = "probe"

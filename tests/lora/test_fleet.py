@@ -332,7 +332,7 @@ def test_the_replica_serves_once_every_namespace_has_joined(model_dir, redis_url
             while problems(replica):
                 assert time.monotonic() < deadline, problems(replica)
                 await asyncio.sleep(0.1)
-            assert d.puller_task is not None and replica.servicer.not_ready is None
+            assert d.puller_task is not None and replica.core.not_ready is None
             for keys in (keys_c, keys_d):  # each namespace has its heartbeat: the base, no run yet
                 beat = _heartbeat(redis_url, keys, "rep-join")
                 assert (beat["run_id"], beat["policy_version"]) == ("", 0)

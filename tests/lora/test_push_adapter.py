@@ -306,5 +306,5 @@ def test_openai_calls_sample_with_the_replicas_adapter(fake_replica, adapter):
     assert [req.adapter.name for req in engine.requests] == ["default/r1/v2"] * 2
     assert all(req.adapter.version == 2 and req.adapter.run_id == "r1" for req in engine.requests)
     # the call held the adapter while it sampled, and let it go when it ended
-    table = r.servicer.adapters
+    table = r.core.adapters
     wait_until(lambda: table.users(table.current()) == 0, what="the call to release its adapter")

@@ -125,7 +125,7 @@ def test_breaking_out_of_a_stream_frees_the_engine_request(torch_server, torch_e
     wait_until(lambda: torch_engine.num_active == 0, timeout=10, what="the engine to drop the cancelled rows")
     # Freed by the cancellation, not by finishing: far fewer decode steps than the 900 asked for.
     assert torch_engine.decode_steps - steps_before < 300
-    wait_until(lambda: torch_server.servicer.in_flight == 0, what="the servicer to finish the call")
+    wait_until(lambda: len(torch_server.core.running) == 0, what="the servicer to finish the call")
 
 
 def test_get_info_reports_the_model_and_limits(torch_server, tiny_model_dir):  # noqa: F811

@@ -189,7 +189,7 @@ def test_client_breaking_out_cancels_every_sample_in_the_engine(fake):
 
     asyncio.run(main())
     wait_until(lambda: sorted(engine.aborted) == ["gone-0", "gone-1", "gone-2"], what="engine aborts")
-    wait_until(lambda: r.servicer.in_flight == 0, what="servicer to forget the request")
+    wait_until(lambda: len(r.core.running) == 0, what="servicer to forget the request")
     assert not engine.active
 
 
@@ -229,7 +229,7 @@ def test_drain_aborts_unfinished_samples_with_records_and_refuses_new_work(fake,
     assert sorted(rec.sample_index for rec in records) == [0, 1]
     assert all(rec.finish_reason == "abort" and 0 < rec.num_tokens < 200 for rec in records)
     assert sorted(engine.aborted) == sorted(req.request_id for req in engine.requests)
-    assert r.servicer.in_flight == 0
+    assert len(r.core.running) == 0
 
 
 def test_drain_lets_short_requests_finish_while_health_reads_not_serving(fake, server_loop):  # noqa: F811
@@ -256,7 +256,7 @@ def test_drain_lets_short_requests_finish_while_health_reads_not_serving(fake, s
 
 def test_generate_during_drain_is_unavailable(fake):
     r, _ = fake()
-    r.servicer.begin_drain()
+    r.core.running.begin_drain()
 
     async def main():
         async with RolloutClient(r.address) as c:

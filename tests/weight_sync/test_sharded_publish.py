@@ -58,7 +58,7 @@ def redis_url():
 @pytest.fixture(scope="module")
 def engine_replica(model_dir, redis_url, tmp_path_factory):
     """(the engine, its --weights-root): pulls from namespace NS, so the trainer's queue finds it."""
-    from maskroll.server.weights.receive import SPOOL_ENV
+    from maskroll.server.weights.stream import SPOOL_ENV
 
     os.environ[SPOOL_ENV] = str(tmp_path_factory.mktemp("spool"))
     root = tmp_path_factory.mktemp("weights-root")

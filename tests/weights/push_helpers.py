@@ -21,7 +21,7 @@ from maskroll.weight_sync.stream import chunks_of, manifest_of
 def spool_at(path: Path) -> Iterator[Path]:
     """Pushed weights received under `path` while the block runs (the replica's spool variable; the
     replicas of these tests run in the test process, so the environment applies), restored after."""
-    from maskroll.server.weights.receive import SPOOL_ENV
+    from maskroll.server.weights.stream import SPOOL_ENV
 
     old = os.environ.get(SPOOL_ENV)
     os.environ[SPOOL_ENV] = str(path)

@@ -52,12 +52,12 @@ def test_a_replica_started_mid_run_loads_the_recorded_checkpoint_before_taking_j
             with caplog.at_level(logging.INFO, logger="maskroll.weights"):
                 late = _start(loop, model_dir, redis_url, "rep-b", weights_root=tmp_path)
                 # an app.start() that returned has started its puller: the join came first
-                assert late.servicer.weights_served == (q.run.run_id, 1)
+                assert late.core.updates.weights_served == (q.run.run_id, 1)
                 assert late.puller is not None
                 elsewhere = tmp_path / "elsewhere"
                 elsewhere.mkdir()
                 stranger = _start(loop, model_dir, redis_url, "rep-c", weights_root=elsewhere)
-            assert stranger.servicer.weights_served == ("", 0)
+            assert stranger.core.updates.weights_served == ("", 0)
             assert f"joined at version 1 of run {q.run.run_id}" in caplog.text
             assert "could not join at version 1" in caplog.text and "PERMISSION_DENIED" in caplog.text
             assert replica_weights(q)["rep-b"] == ReplicaWeights(q.run.run_id, 1)
@@ -85,7 +85,7 @@ def test_a_replica_started_after_an_nccl_broadcast_starts_on_its_own_weights_and
             with caplog.at_level(logging.INFO, logger="maskroll.weights"):
                 rep = _start(loop, model_dir, redis_url, "rep-nccl")
             assert time.monotonic() - t0 < 60  # no join wait (MASKROLL_JOIN_TIMEOUT_S is 300)
-            assert rep.servicer.weights_served == ("", 0)
+            assert rep.core.updates.weights_served == ("", 0)
             assert f"run {q.run.run_id} is at version 3, broadcast over NCCL" in caplog.text
     finally:
         if rep is not None:

@@ -1,4 +1,5 @@
-"""weight_stream's two destinations, driven by hand-made message sequences (no gRPC): into memory (the
+"""The stream transport's two destinations (server/weights/stream.py), driven by hand-made message
+sequences converted as the servicer converts them (no gRPC): into memory (the
 torch engine) the tensors come out bit-identical with the manifest's dtypes and shapes; into the spool
 (engines that load files: vLLM) the file is a safetensors file of exactly those tensors, and any refused
 push — a corrupted chunk, a call cut short, a cancellation — leaves no file behind."""
@@ -13,7 +14,7 @@ from push_helpers import messages
 
 from maskroll.proto import wire
 from maskroll.server.errors import InvalidArgument
-from maskroll.server.weights import receive as weight_stream
+from maskroll.server.weights import stream
 
 TENSORS = {
     "a": torch.arange(3000, dtype=torch.float32).reshape(30, 100) / 7,
@@ -25,7 +26,7 @@ TENSORS = {
 
 async def _rest(msgs):
     for m in msgs:
-        yield m
+        yield wire.push_chunk_from_pb(m)
 
 
 def _receive(fn, msgs, *args):
@@ -34,7 +35,7 @@ def _receive(fn, msgs, *args):
 
 
 def test_received_into_memory_bit_identical():
-    got = _receive(weight_stream.receive_tensors, messages(TENSORS, 3, chunk_bytes=1000))
+    got = _receive(stream.receive_tensors, messages(TENSORS, 3, chunk_bytes=1000))
     assert list(got) == list(TENSORS)
     for name, t in TENSORS.items():
         assert got[name].dtype == t.dtype and got[name].shape == t.shape
@@ -44,12 +45,12 @@ def test_received_into_memory_bit_identical():
 def test_received_into_the_spool_is_a_safetensors_file_of_the_tensors(tmp_path):
     from safetensors.torch import load_file
 
-    directory = _receive(weight_stream.receive, messages(TENSORS, 3, chunk_bytes=1000), tmp_path)
-    loaded = load_file(str(directory / weight_stream.FILE_NAME))
+    directory = _receive(stream.receive_file, messages(TENSORS, 3, chunk_bytes=1000), tmp_path)
+    loaded = load_file(str(directory / stream.FILE_NAME))
     assert sorted(loaded) == sorted(TENSORS)
     for name, t in TENSORS.items():
         assert torch.equal(loaded[name].view(torch.uint8), t.view(torch.uint8)), name
-    weight_stream.discard(directory)
+    stream.discard(directory)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -66,7 +67,7 @@ def _corrupt(msgs):
 )
 def test_a_refused_push_leaves_no_file_in_the_spool(tmp_path, make, needle):
     msgs = make(messages(TENSORS, 3, chunk_bytes=1000))
-    for fn, args in ((weight_stream.receive, (tmp_path,)), (weight_stream.receive_tensors, ())):
+    for fn, args in ((stream.receive_file, (tmp_path,)), (stream.receive_tensors, ())):
         with pytest.raises(InvalidArgument, match=needle):
             _receive(fn, msgs, *args)
     assert list(tmp_path.iterdir()) == []
@@ -78,14 +79,12 @@ def test_a_cancelled_push_leaves_no_file_in_the_spool(tmp_path):
 
     async def stalled():
         for m in msgs[1:3]:
-            yield m
+            yield wire.push_chunk_from_pb(m)
         seen.extend(tmp_path.iterdir())
         await asyncio.sleep(60)
 
     async def main():
-        task = asyncio.ensure_future(
-            weight_stream.receive(wire.manifest_from_pb(msgs[0]), stalled(), tmp_path)
-        )
+        task = asyncio.ensure_future(stream.receive_file(wire.manifest_from_pb(msgs[0]), stalled(), tmp_path))
         while not seen:
             await asyncio.sleep(0.01)
         task.cancel()
@@ -100,12 +99,12 @@ def test_a_cancelled_push_leaves_no_file_in_the_spool(tmp_path):
 def test_a_push_larger_than_free_memory_is_refused_before_any_byte(monkeypatch):
     from maskroll.server.errors import FailedPrecondition
 
-    monkeypatch.setattr(weight_stream, "memory_available", lambda: 1 << 20)
+    monkeypatch.setattr(stream, "memory_available", lambda: 1 << 20)
     big = {"w": torch.zeros(1 << 20)}  # 4 MiB
     with pytest.raises(
         FailedPrecondition, match=r"do not fit in this replica's free memory \(1048576 bytes\)"
     ):
-        _receive(weight_stream.receive_tensors, messages(big, 1, chunk_bytes=1 << 20)[:1])
+        _receive(stream.receive_tensors, messages(big, 1, chunk_bytes=1 << 20)[:1])
 
 
 @pytest.mark.parametrize(
@@ -159,16 +158,16 @@ def test_concurrent_pushes_into_the_spool_reserve_its_disk(tmp_path):
         yield
 
     async def main():
-        first = asyncio.ensure_future(weight_stream.receive(manifest, stalled(), tmp_path))
+        first = asyncio.ensure_future(stream.receive_file(manifest, stalled(), tmp_path))
         await receiving.wait()
         with pytest.raises(FailedPrecondition, match="reserved by pushes being received now"):
-            await weight_stream.receive(manifest, nothing(), tmp_path)
+            await stream.receive_file(manifest, nothing(), tmp_path)
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
         # the first push is gone with its reservation: the same manifest is taken (and ends early)
         with pytest.raises(InvalidArgument, match="ended early"):
-            await weight_stream.receive(manifest, nothing(), tmp_path)
+            await stream.receive_file(manifest, nothing(), tmp_path)
 
     asyncio.run(main())
     assert list(tmp_path.iterdir()) == []

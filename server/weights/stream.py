@@ -1,22 +1,25 @@
-"""The replica's end of PushWeights: a pushed state dict received, checked chunk by chunk, into memory or
-into a private safetensors file.
+"""The replica's end of the stream transport (PushWeights; the trainer's end is weight_sync/stream.py): a
+pushed state dict received, checked chunk by chunk, into memory or into a private safetensors file, and
+loaded as a `StreamedSource`.
 
 The manifest (first message) gives every tensor's name, dtype, shape, size and CRC-32, so the place of
 every byte is known before the first one arrives. Every chunk must continue its tensor exactly where the
 previous one ended (manifest order, offset order); a checksum mismatch, a missing or extra byte, or a
-call that ends early refuses the whole push, so nothing partial is ever loaded. Two destinations:
+call that ends early refuses the whole push, so nothing partial is ever loaded. Two destinations, chosen
+by what the engine declares it loads (`Engine.weight_capabilities`, engines/contract.py):
 
 - `receive_tensors`: straight into one tensor per manifest entry (an engine that loads tensors from
   memory: the torch engine). Each chunk is copied once, into its tensor; nothing touches a disk and
   nothing is read back, so the update holds one copy of the weights plus the chunk in flight.
-- `receive`: into a safetensors file whose header is written before any data, in a directory private
-  to this replica (the spool: `MASKROLL_WEIGHTS_SPOOL` or the system temp directory), for an engine that
-  loads files (vLLM: its workers run in another process and read the file by path). Receiving holds one
-  chunk in memory; the file is deleted on any error.
+- `receive_file`: into a safetensors file whose header is written before any data, in a directory
+  private to this replica (the spool: `MASKROLL_WEIGHTS_SPOOL` or the system temp directory), for an
+  engine that loads files (vLLM: its workers run in another process and read the file by path).
+  Receiving holds one chunk in memory; the file is deleted on any error. A loaded file stays until the
+  next update succeeds (the engine restores from it after a failed one); a refused one goes at once.
 
 Either way the engine then applies the checks of a checkpoint (`tensor_rules`: names, shapes, dtypes,
-finite values; `weight_sources.StreamedSource`). Knows nothing of gRPC beyond the converter's message
-types, nor of engines.
+finite values). The chunks arrive as (tensor index, byte offset, bytes), converted by the front end
+(`wire.push_chunk_from_pb`): knows nothing of gRPC, protobuf or the version rule (weights/updates.py).
 """
 
 from __future__ import annotations
@@ -29,16 +32,22 @@ import os
 import shutil
 import struct
 import tempfile
+import time
 import zlib
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from maskroll.proto import wire
 from maskroll.proto.tensor_push import WeightsManifest
 
-from ..errors import FailedPrecondition, InvalidArgument, shown
+from ..engines.contract import Engine
+from ..errors import FailedPrecondition, InvalidArgument, ServiceError, shown
+from . import checkpoints
+
+# What a push's data is once converted: (tensor index in the manifest, byte offset, the bytes).
+Chunks = AsyncIterator[tuple[int, int, bytes | memoryview]]
 
 FILE_NAME = "model.safetensors"
 SPOOL_ENV = "MASKROLL_WEIGHTS_SPOOL"
@@ -133,12 +142,8 @@ class _Writer:
                 f"{self.offset} of {t.nbytes} bytes; nothing was loaded"
             )
 
-    async def consume(self, rest: AsyncIterator) -> None:
-        async for message in rest:
-            try:
-                index, offset, data = wire.push_chunk_from_pb(message)
-            except ValueError as e:
-                raise InvalidArgument(str(e)) from e
+    async def consume(self, chunks: Chunks) -> None:
+        async for index, offset, data in chunks:
             # A 4 MiB copy (or write to the page cache) takes about a millisecond: not worth a thread hop.
             self.write(index, offset, data)
         self.finish()
@@ -184,10 +189,10 @@ def check_manifest(manifest: WeightsManifest) -> None:
         raise InvalidArgument(f"PushWeights manifest: {e}") from e
 
 
-async def receive(manifest: WeightsManifest, rest: AsyncIterator, spool: Path | None = None) -> Path:
-    """Write the pushed tensors (the data messages `rest` that follow `manifest`) into a new directory
-    under the spool; returns that directory, holding one `model.safetensors`. The caller deletes it
-    (`discard`). On any error — including cancellation, a dropped connection — the directory is gone."""
+async def receive_file(manifest: WeightsManifest, rest: Chunks, spool: Path | None = None) -> Path:
+    """Write the pushed tensors (the chunks `rest` that follow `manifest`) into a new directory under the
+    spool; returns that directory, holding one `model.safetensors`. The caller deletes it (`discard`).
+    On any error — including cancellation, a dropped connection — the directory is gone."""
     spool = spool or spool_root()
     spool.mkdir(parents=True, exist_ok=True)
     check_manifest(manifest)
@@ -199,7 +204,7 @@ async def receive(manifest: WeightsManifest, rest: AsyncIterator, spool: Path | 
     return directory
 
 
-async def _receive_file(manifest: WeightsManifest, rest: AsyncIterator, directory: Path) -> None:
+async def _receive_file(manifest: WeightsManifest, rest: Chunks, directory: Path) -> None:
     try:
         with open(directory / FILE_NAME, "wb") as f:
             f.write(safetensors_header(manifest))
@@ -231,20 +236,18 @@ def memory_available() -> int | None:
     return min(found) if found else None
 
 
-async def receive_tensors(manifest: WeightsManifest, rest: AsyncIterator) -> dict:
-    """The pushed tensors (the data messages `rest` that follow `manifest`) as {name: CPU tensor of the
+async def receive_tensors(manifest: WeightsManifest, rest: Chunks) -> dict:
+    """The pushed tensors (the chunks `rest` that follow `manifest`) as {name: CPU tensor of the
     manifest's dtype and shape}, each chunk copied once into its place. Nothing is kept on an error."""
     import torch
-
-    from .checkpoints import torch_dtype
 
     check_manifest(manifest)
     place, advice = "this replica's free memory", "give it more memory"
     with reserved("memory", manifest.total_bytes, memory_available(), MEMORY_MARGIN, place, advice):
-        return await _receive_tensors(manifest, rest, torch, torch_dtype)
+        return await _receive_tensors(manifest, rest, torch, checkpoints.torch_dtype)
 
 
-async def _receive_tensors(manifest: WeightsManifest, rest: AsyncIterator, torch, torch_dtype) -> dict:
+async def _receive_tensors(manifest: WeightsManifest, rest: Chunks, torch, torch_dtype) -> dict:
     tensors = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for t in manifest.tensors}
     # uint8 views of the tensors' memory (numpy has no bfloat16), written in place: torch.empty leaves
     # the pages untouched until a chunk lands there, so memory grows with what was received
@@ -274,23 +277,78 @@ async def _receive_tensors(manifest: WeightsManifest, rest: AsyncIterator, torch
     return tensors
 
 
-async def drain(rest: AsyncIterator, max_bytes: int, timeout_s: float = 60.0) -> None:
-    """Read and drop what a refused push still sends, up to `max_bytes` (its manifest's size) plus the
-    messages' framing, or `timeout_s`. A client-streaming call that the server ends while the client is
-    still writing can fail on the client with "INTERNAL: Internal error from Core" instead of the
-    server's status (a write racing the status: grpc/aio/_call.py `_write`; about 1 refusal in 100 on
-    loopback), and the reason of the refusal is lost. Best effort: whatever ends the reading ends it."""
-
-    async def read() -> None:
-        seen = 0
-        async for message in rest:
-            seen += len(message) if isinstance(message, bytes) else message.ByteSize()
-            if seen > max_bytes + (16 << 20):  # room for 16 bytes of framing per 1 KiB message
-                return
-
-    with contextlib.suppress(Exception):  # a reset or expired call, the time limit: nothing more to read
-        await asyncio.wait_for(read(), timeout_s)
-
-
 def discard(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class StreamedSource:
+    """A received push (weights/updates.py loads it): in memory (`tensors`) or in the spool (`directory`)."""
+
+    manifest: WeightsManifest
+    directory: Path | None = None  # in the spool, holding FILE_NAME
+    tensors: dict | None = None  # {name: tensor} received into memory; the engine consumes the dict
+
+    def describe(self) -> str:
+        where = "memory" if self.directory is None else "the spool"
+        n, mb = len(self.manifest.tensors), self.manifest.total_bytes / 1e6
+        return f"a push of {n} tensors ({mb:.1f} MB, received into {where})"
+
+    async def load(self, engine: Engine, version: int) -> tuple[int, float]:
+        """Load and make `version` current: (paused requests, seconds); InvalidArgument for bad content,
+        the old weights still serving."""
+        if self.tensors is not None:
+            result = await _load_tensors(engine, version, self.tensors)
+        else:
+            try:
+                result = await checkpoints.load_checkpoint(
+                    engine, version, checkpoints.checkpoint_of(self.directory)
+                )
+            except InvalidArgument as e:
+                # the message names the spool file; the caller knows the push, not that file
+                raise InvalidArgument(f"pushed weights of version {version} refused: {e}") from e
+        return result
+
+    def release(self) -> None:
+        """Free what the push holds here once it is loaded or refused: a refused spool file, the tensors
+        the engine did not consume."""
+        if self.directory is not None and self.directory not in _serving_spool.values():
+            discard(self.directory)
+        if self.tensors is not None:
+            self.tensors.clear()
+
+
+# The spool directory each engine (by id) serves its weights from. An engine that loads files (vLLM)
+# restores the served weights from them after a failed update (vllm_engine._recover), so the spool file
+# of the last successful push stays until another update succeeds: one model on the replica's own disk.
+_serving_spool: dict[int, Path] = {}
+
+
+def now_serving(engine: Engine, source: object) -> None:
+    """After any successful load (weights/updates.py): keep `source`'s spool file if it is a push received
+    into one, and delete the file of the push served before, whatever replaced it."""
+    previous = _serving_spool.pop(id(engine), None)
+    if isinstance(source, StreamedSource) and source.directory is not None:
+        _serving_spool[id(engine)] = source.directory
+    if previous is not None:
+        discard(previous)
+
+
+async def receive(engine: Engine, manifest: WeightsManifest, rest: Chunks) -> StreamedSource:
+    """Receive a push (the chunks `rest` after `manifest`) where `engine` loads it from best."""
+    if engine.weight_capabilities.tensors:
+        return StreamedSource(manifest, tensors=await receive_tensors(manifest, rest))
+    return StreamedSource(manifest, directory=await receive_file(manifest, rest))
+
+
+async def _load_tensors(engine: Engine, version: int, tensors: dict) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    try:
+        paused = await engine.update_weights_from_tensors(version, tensors, "the pushed weights")
+    except ServiceError:
+        raise
+    except checkpoints.load_errors() as exc:
+        raise InvalidArgument(
+            f"pushed weights of version {version} refused: {type(exc).__name__}: {exc}"
+        ) from exc
+    return paused, time.perf_counter() - t0
