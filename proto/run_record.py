@@ -3,7 +3,7 @@
     run_id      32 hex characters, new for every run
     version     the last policy version published in the run (0: the weights the run started from)
     checkpoint  where that version's weights are (a directory under the replicas' weights root, or
-                "stream" when the trainer pushes them over gRPC, "collective" over NCCL);
+                STREAM_CHECKPOINT when the trainer pushes them over gRPC, NCCL_CHECKPOINT over NCCL);
                 "" while the run has published nothing
     started_at, updated_at   unix seconds
     started_by  the consumer name of the trainer that started the run
@@ -24,6 +24,13 @@ from .streams import StreamKeys
 MAX_RUN_ID_CHARS = 256  # as every other id a record carries (server validation.MAX_ID_CHARS)
 MAX_CHECKPOINT_CHARS = 4096  # PATH_MAX
 MAX_VERSION = (1 << 63) - 1  # policy versions are int64 on the wire
+
+# `checkpoint` for a version no replica can read from a directory: the trainer pushes it (the stream
+# transport) or broadcasts it to an NCCL group (the nccl transport). These are stored values, not names:
+# they stay "stream" and "collective" (the NCCL transport's earlier name) so that replicas of older
+# releases keep reading new trainers' records and new replicas old ones.
+STREAM_CHECKPOINT = "stream"
+NCCL_CHECKPOINT = "collective"
 
 
 class RunRecordError(ValueError):

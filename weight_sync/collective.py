@@ -12,10 +12,10 @@ for the other transports (server/weights/sources.py).
 Only the sending trainer rank checks values: NaN or inf anywhere refuses the version before a byte is
 sent, since the bytes land in the replicas' models directly. The replica checks names and shapes
 against its model before receiving. As the other publishers, `publish` records each version in the run
-record (`RolloutQueue.record_version`, with `checkpoint = "collective"`) and makes it the trainer's
+record (`RolloutQueue.record_version`, with `run_record.NCCL_CHECKPOINT`) and makes it the trainer's
 policy version before any replica loads it, and takes the version rule and the per-replica results
 from `publish.py`. The group's world size is fixed at `connect()`: a replica that starts later cannot
-enter it; it finds "collective" in the run record and starts on its own weights (server/weights/join.py) until
+enter it; it finds that marker in the run record and starts on its own weights (server/weights/join.py) until
 the trainer forms a new group with it (or publishes through a StreamPublisher or the directory).
 Needs CUDA, NCCL and vLLM on the trainer; the replicas run the vLLM engine started with
 `--vllm-arg weight_transfer_config='{"backend": "nccl"}'`.
@@ -35,12 +35,11 @@ from collections.abc import Sequence
 import torch
 
 from maskroll.client import ReplicaInfo
+from maskroll.proto.run_record import NCCL_CHECKPOINT
 from maskroll.proto.tensor_push import CollectiveSpec, TensorSpec
 
 from .broadcast import collective_update
 from .publish import WeightSyncError, checked, next_version
-
-COLLECTIVE_RECORD = "collective"  # the run record's `checkpoint` for a version sent over NCCL
 
 
 class GrpcWeightSyncClient:
@@ -246,7 +245,7 @@ class CollectivePublisher:
         if self.rank != 0:
             self._engine.send_weights()
             return {}
-        self.queue.record_version(version, COLLECTIVE_RECORD)
+        self.queue.record_version(version, NCCL_CHECKPOINT)
         self.client.version = version
         self._engine.send_weights()
         # Every replica of the group took part in the one broadcast: any failure already raised.

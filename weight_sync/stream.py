@@ -5,12 +5,13 @@ One call per version: the model's state dict is snapshotted to CPU (the trainer 
 it is what a replica that joins or restarts later is sent), described by a manifest (names, safetensors
 dtypes, shapes, sizes, a CRC-32 per tensor) and streamed to every live replica in parallel in chunks of
 `chunk_bytes`, a timeout each (`broadcast.push_weights`). The run record in Redis gets the version
-with `checkpoint = "stream"`: a replica that starts while the run is at version v > 0 registers and
-waits (server/app.py `join_current_version`); the publisher's follower thread sees it serving other
-weights within `follow_s` and pushes it the current version. With `save_root`, each version is also
-written there in the `checkpoint.py` layout, on the trainer's own disk, so a restarted trainer can
-resume the run from it; without it, `start()` of a resumed run refuses, or with `resume_from_base=True`
-publishes the model it is given as a new version (never as the run's current one).
+with `checkpoint = "stream"` (`run_record.STREAM_CHECKPOINT`): a replica that starts while the run is at
+version v > 0 registers and waits (server/weights/join.py); the publisher's follower thread sees it
+serving other weights within `follow_s` and pushes it the current version. With `save_root`, each version
+is also written there in the `checkpoint.py` layout, on the trainer's own disk, so a restarted trainer
+can resume the run from it; without it, `start()` of a resumed run refuses, or with
+`resume_from_base=True` publishes the model it is given as a new version (never as the run's current
+one).
 
 Each chunk is serialized straight from the tensor's memory with one copy (`wire.push_chunk_bytes`),
 per replica, so the trainer holds the snapshot plus the chunks each replica's gRPC stream has in flight.
@@ -44,6 +45,7 @@ import torch
 
 from maskroll.client import BroadcastError
 from maskroll.proto.heap import trim_heap
+from maskroll.proto.run_record import STREAM_CHECKPOINT
 from maskroll.proto.safetensors_layout import safetensors_header
 from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES, AdapterSpec, TensorSpec, WeightsManifest
 
@@ -54,8 +56,6 @@ from .publish import WeightSyncError, checked, next_version, publish_first
 from .sharded import WrittenVersion, dtype_name, version_file
 
 log = logging.getLogger(__name__)
-
-STREAM_RECORD = "stream"  # the run record's `checkpoint` for a version only the trainer holds
 
 
 def snapshot(state_dict: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -333,7 +333,7 @@ class StreamPublisher:
                 self._manifest,
                 self._chunks,
                 timeout=self.timeout,
-                record=STREAM_RECORD,
+                record=STREAM_CHECKPOINT,  # a version only the trainer holds
                 fingerprint=self._fingerprint if version == 0 else "",
             )
         except BroadcastError as e:

@@ -354,11 +354,11 @@ def test_a_lora_run_publishes_its_adapter_saves_it_and_resumes_from_it(model_dir
             pub.start(_base(model_dir))
         pub.close()
     # ... nor a LoRA model a full run's checkpoint
+    from maskroll.proto.run_record import STREAM_CHECKPOINT
     from maskroll.weight_sync.checkpoint import save_checkpoint
-    from maskroll.weight_sync.stream import STREAM_RECORD
 
     with RolloutQueue(redis_url, "full-run", run="new", batch_size=2) as q:
-        q.record_version(1, STREAM_RECORD)
+        q.record_version(1, STREAM_CHECKPOINT)
     save_checkpoint(_base(model_dir), tmp_path / "full", 1)
     with RolloutQueue(redis_url, "full-run", run="resume", batch_size=2) as q:
         pub = make_publisher("stream", q, root=tmp_path / "full", follow_s=None)

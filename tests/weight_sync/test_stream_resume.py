@@ -11,10 +11,11 @@ import torch
 
 from maskroll.client import RolloutQueue
 from maskroll.local.redis_server import LocalRedis
+from maskroll.proto.run_record import STREAM_CHECKPOINT
 from maskroll.proto.streams import StreamKeys
 from maskroll.weight_sync import make_publisher
 from maskroll.weight_sync.checkpoint import checkpoint_dir
-from maskroll.weight_sync.stream import STREAM_RECORD, StreamPublisher
+from maskroll.weight_sync.stream import StreamPublisher
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def _run_at(url: str, ns: str, version: int) -> None:
     """A run whose trainer published `version` over the stream and then went away."""
     with RolloutQueue(url, ns, run="new", batch_size=2) as q:
         for v in range(1, version + 1):
-            q.record_version(v, STREAM_RECORD)
+            q.record_version(v, STREAM_CHECKPOINT)
 
 
 def _version_of(url: str, ns: str) -> tuple[int, bytes]:
@@ -46,7 +47,7 @@ def test_resume_without_a_local_copy_refuses_to_call_the_base_weights_version_n(
         assert "version 3" in message and "save_root" in message and "weights_root" in message
         assert "resume_from_base=True" in message
         assert q.policy_version == 3  # nothing recorded, nothing taken as version 3
-    assert _version_of(redis_server.url, ns) == (3, STREAM_RECORD.encode())
+    assert _version_of(redis_server.url, ns) == (3, STREAM_CHECKPOINT.encode())
 
 
 def test_resume_from_base_publishes_the_weights_as_a_new_version(redis_server, tmp_path):
@@ -60,7 +61,7 @@ def test_resume_from_base_publishes_the_weights_as_a_new_version(redis_server, t
         assert pub.version == q.policy_version == 4
         assert checkpoint_dir(tmp_path, 4).exists()  # the trainer's own copy of the new version
         assert pub._manifest.version == 4  # what a joining replica is pushed
-    assert _version_of(redis_server.url, ns) == (4, STREAM_RECORD.encode())
+    assert _version_of(redis_server.url, ns) == (4, STREAM_CHECKPOINT.encode())
 
 
 def test_resume_with_a_local_copy_still_loads_it_as_version_n(redis_server, tmp_path):
@@ -74,7 +75,7 @@ def test_resume_with_a_local_copy_still_loads_it_as_version_n(redis_server, tmp_
         model = torch.nn.Linear(2, 2)
         assert StreamPublisher(q, save_root=tmp_path, follow_s=None).start(model) == 2
         assert torch.equal(model.weight, saved.weight)
-    assert _version_of(redis_server.url, ns) == (2, STREAM_RECORD.encode())
+    assert _version_of(redis_server.url, ns) == (2, STREAM_CHECKPOINT.encode())
 
 
 def test_a_trainer_reopening_its_queue_in_the_same_process_keeps_the_version_it_published(redis_server):
@@ -92,4 +93,4 @@ def test_a_trainer_reopening_its_queue_in_the_same_process_keeps_the_version_it_
         assert pub.held == (q.run_id, 1)
     with RolloutQueue(redis_server.url, ns, run="resume", batch_size=2) as q:
         assert StreamPublisher(q, follow_s=None, held=pub.held).start(model) == 1
-    assert _version_of(redis_server.url, ns) == (1, STREAM_RECORD.encode())
+    assert _version_of(redis_server.url, ns) == (1, STREAM_CHECKPOINT.encode())

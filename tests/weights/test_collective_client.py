@@ -26,7 +26,7 @@ def test_each_replica_gets_its_own_rank_offset():
 
 
 def test_a_replica_without_nccl_refuses_and_says_so(torch_replica):
-    before = torch_replica.core.updates.weights_served
+    before = torch_replica.servicer.weights_served
     client = GrpcWeightSyncClient([ReplicaInfo("torch-0", torch_replica.address)], timeout=10)
     with pytest.raises(WeightSyncError) as err:
         client.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": 1, "world_size": 2})
@@ -36,7 +36,7 @@ def test_a_replica_without_nccl_refuses_and_says_so(torch_replica):
     with pytest.raises(WeightSyncError):
         client.update_weights({"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[4, 4]]})
     assert "UNIMPLEMENTED" in client.results["torch-0"]
-    assert torch_replica.core.updates.weights_served == before
+    assert torch_replica.servicer.weights_served == before
 
 
 class _TrainerEngine:
@@ -64,7 +64,8 @@ def test_collective_publish_records_the_version_in_the_run_like_the_other_publis
 
     from maskroll.client import RolloutQueue
     from maskroll.local.redis_server import LocalRedis
-    from maskroll.weight_sync.collective import COLLECTIVE_RECORD, CollectivePublisher
+    from maskroll.proto.run_record import NCCL_CHECKPOINT
+    from maskroll.weight_sync.collective import CollectivePublisher
 
     model = torch.nn.Linear(4, 4)
     with LocalRedis() as srv, RolloutQueue(srv.url, "nccl", run="new", batch_size=1) as q:
@@ -88,7 +89,7 @@ def test_collective_publish_records_the_version_in_the_run_like_the_other_publis
         # broadcast_weights and push_weights record it before any replica loads it
         with pytest.raises(WeightSyncError, match=r"torch-0: .*UNIMPLEMENTED"):
             pub.publish(model)
-        assert (q.run.version, q.run.checkpoint, q.policy_version) == (1, COLLECTIVE_RECORD, 1)
+        assert (q.run.version, q.run.checkpoint, q.policy_version) == (1, NCCL_CHECKPOINT, 1)
         assert pub.version == 1
         with pytest.raises(
             ValueError, match="version 1 does not move the run forward: the last published is 1"

@@ -17,9 +17,10 @@ from procs import Replicas
 
 from maskroll.client import ReplicaWeights, RolloutQueue, SyncRolloutClient
 from maskroll.local.redis_server import LocalRedis
+from maskroll.proto.run_record import STREAM_CHECKPOINT
 from maskroll.proto.streams import StreamKeys
 from maskroll.weight_sync.broadcast import replica_weights
-from maskroll.weight_sync.stream import STREAM_RECORD, StreamPublisher
+from maskroll.weight_sync.stream import StreamPublisher
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +78,10 @@ def test_publish_reaches_every_replica_and_a_replica_started_mid_run_joins_at_th
             import redis
 
             record = redis.Redis.from_url(url).hgetall(StreamKeys(NS).run)
-            assert record[b"version"] == b"2" and record[b"checkpoint"] == STREAM_RECORD.encode()
+            assert (
+                record[b"version"] == b"2"
+                and record[b"checkpoint"] == STREAM_CHECKPOINT.encode() == b"stream"
+            )
 
             t0 = time.monotonic()
             reps.start("rep-2")
