@@ -26,7 +26,7 @@ def test_each_replica_gets_its_own_rank_offset():
 
 
 def test_a_replica_without_nccl_refuses_and_says_so(torch_replica):
-    before = torch_replica.servicer.weights_served
+    before = torch_replica.core.updates.weights_served
     client = GrpcWeightSyncClient([ReplicaInfo("torch-0", torch_replica.address)], timeout=10)
     with pytest.raises(WeightSyncError) as err:
         client.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": 1, "world_size": 2})
@@ -36,7 +36,7 @@ def test_a_replica_without_nccl_refuses_and_says_so(torch_replica):
     with pytest.raises(WeightSyncError):
         client.update_weights({"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[4, 4]]})
     assert "UNIMPLEMENTED" in client.results["torch-0"]
-    assert torch_replica.servicer.weights_served == before
+    assert torch_replica.core.updates.weights_served == before
 
 
 class _TrainerEngine:
