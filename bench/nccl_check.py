@@ -4,7 +4,7 @@ vLLM replica through vLLM's weight-transfer engine, rendezvous over maskroll's U
 Needs two CUDA devices (NCCL refuses two ranks on one GPU): the trainer on device 0, one
 `maskroll serve --engine vllm` replica on device 1 (started with
 `--vllm-arg weight_transfer_config={"backend":"nccl"}`), a private Redis for the registry. It forms the
-group (`CollectivePublisher.connect`), publishes `--reps` versions of the model, checks the replica
+group (`NcclPublisher.connect`), publishes `--reps` versions of the model, checks the replica
 serves each version and that its greedy-ish output changed, and prints seconds and GB/s per version.
 
     python bench/nccl_check.py                 # ~1 GB model (hidden 2048, 14 layers, bf16), 3 versions
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from maskroll.client import RolloutQueue, SamplingOptions, SyncRolloutClient
     from maskroll.local.replica import LocalReplica, ReplicaStartError
-    from maskroll.weight_sync.collective import CollectivePublisher
+    from maskroll.weight_sync.nccl import NcclPublisher
 
     with tempfile.TemporaryDirectory(prefix="maskroll-nccl-") as d:
         model_dir = common.model_dir(None, Path(d), hidden=a.hidden, heads=a.hidden // 128, layers=a.layers)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 with RolloutQueue(srv.url, "nccl", run="new", batch_size=1) as q:
                     address = common.wait_registered(q, 1)[0].address
-                    pub = CollectivePublisher(q, model, master_address="127.0.0.1", master_port=a.port)
+                    pub = NcclPublisher(q, model, master_address="127.0.0.1", master_port=a.port)
                     t0 = time.perf_counter()
                     print(f"group: {pub.connect()} in {time.perf_counter() - t0:.1f} s", flush=True)
                     opts = SamplingOptions(max_tokens=8, seed=1, temperature=0.05)

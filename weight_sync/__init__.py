@@ -5,10 +5,10 @@ queue, ...)` (factory.py), over three transports with one run semantics: "stream
 `stream.py`, the default of `maskroll demo` and the deployment) pushes each version's tensors to every
 replica over gRPC (PushWeights: no shared filesystem); "directory" (`CheckpointPublisher`,
 `publish.py`) writes it in the checkpoint layout (`checkpoint.py`) under the replicas' `--weights-root`
-(a shared volume) and announces it (UpdateWeights); "collective" (`CollectivePublisher`,
-`collective.py`, GPUs only) sends it over NCCL through vLLM's weight-transfer engine. A data-parallel
-trainer passes `collective=` and gets a `RankedPublisher` (`ranked.py`) on every rank: rank 0 publishes,
-an FSDP2 model is gathered one parameter at a time by every rank (`sharded.py`). The calls to the
+(a shared volume) and announces it (UpdateWeights); "nccl" (`NcclPublisher`, `nccl.py`, GPUs only)
+sends it over NCCL through vLLM's weight-transfer engine. A data-parallel trainer passes
+`collective=` (its ranks' control plane) and gets a `RankedPublisher` (`ranked.py`) on every rank: rank 0
+publishes, an FSDP2 model is gathered one parameter at a time by every rank (`sharded.py`). The calls to the
 replicas themselves — broadcast, push, sync, what each serves — are `broadcast.py`, which takes a
 `maskroll.client.RolloutQueue` for its replica registry, run and policy version: a restarted trainer
 resumes at the run's last version, from its checkpoint, and with `read_trained` / `write_trained` (the
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
         save_checkpoint,
         write_trained,
     )
-    from .collective import CollectivePublisher
     from .factory import Publisher, Transport, make_publisher
     from .lora import (
         LoraUnsupported,
@@ -45,6 +44,7 @@ if TYPE_CHECKING:
         merge,
         save_adapter,
     )
+    from .nccl import NcclPublisher
     from .publish import CheckpointPublisher, WeightSyncError
     from .ranked import RankedPublisher
     from .stream import StreamPublisher
@@ -60,7 +60,7 @@ _LAZY = {
     "WeightSyncError": "publish",
     "StreamPublisher": "stream",
     "RankedPublisher": "ranked",
-    "CollectivePublisher": "collective",
+    "NcclPublisher": "nccl",
     "Publisher": "factory",
     "Transport": "factory",
     "make_publisher": "factory",
@@ -80,8 +80,8 @@ _LAZY = {
 __all__ = [
     "CHECKPOINT_FILE",
     "CheckpointPublisher",
-    "CollectivePublisher",
     "LoraUnsupported",
+    "NcclPublisher",
     "Publisher",
     "RankedPublisher",
     "StreamPublisher",

@@ -2,7 +2,7 @@
 
 Every publisher does the same four things, whatever the transport:
 
-    pub = make_publisher("stream", q, root="./ckpt")   # or "directory", "collective"
+    pub = make_publisher("stream", q, root="./ckpt")   # or "directory", "nccl"
     pub.start(model)        # trainer and replicas on the run's current version; returns it
     pub.publish(model)      # the next version (pub.version + 1) on every live replica, or an error
     pub.version             # the last version published: the queue's policy version (its run's)
@@ -10,7 +10,9 @@ Every publisher does the same four things, whatever the transport:
 
 Transports: "directory" (`CheckpointPublisher`: a checkpoint under the replicas' shared
 `--weights-root`, loaded by UpdateWeights), "stream" (`StreamPublisher`: PushWeights over gRPC, no
-shared filesystem), "collective" (`CollectivePublisher`: NCCL through vLLM's weight transfer; GPUs).
+shared filesystem), "nccl" (`NcclPublisher`: NCCL through vLLM's weight transfer; GPUs). The trainer
+ranks' control plane (`collective=`, `client.ranks.Collective`) is another thing: it carries the ranks'
+agreement, never weights to the replicas.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ if TYPE_CHECKING:
 
     from .publish import Fleet
 
-Transport = Literal["directory", "stream", "collective"]
-TRANSPORTS: tuple[Transport, ...] = ("directory", "stream", "collective")
+Transport = Literal["directory", "stream", "nccl"]
+TRANSPORTS: tuple[Transport, ...] = ("directory", "stream", "nccl")
 
 
 class Publisher(Protocol):
-    """What CheckpointPublisher, StreamPublisher and CollectivePublisher share."""
+    """What CheckpointPublisher, StreamPublisher and NcclPublisher share."""
 
     @property
     def version(self) -> int:
@@ -68,13 +70,13 @@ def make_publisher(
     takes a `publish.Fleet`, e.g. a fixed list of replicas with no queue).
 
     root: "directory": the replicas' `--weights-root` (required); "stream": the trainer's own copy of
-    each version, for resuming after a restart (None: none); "collective": not used. keep: versions
+    each version, for resuming after a restart (None: none); "nccl": not used. keep: versions
     kept under root. timeout: seconds each replica may take per version (default: the transport's).
     options: the transport's own arguments — require_all ("directory", "stream"); follow_s, chunk_bytes,
     resume_from_base ("stream": a resumed run with no copy of its version under root publishes the model
     as a new version instead of refusing), held ("stream": the (run, version) the model holds, from an
     earlier publisher's `held`); model, master_address, master_port, tensor_parallel_size,
-    packed ("collective").
+    packed ("nccl").
 
     collective: the trainer ranks' control plane (`maskroll.client.ranks.Collective`, e.g.
     `trainer_adapter.distributed.TorchCollective()`), for a data-parallel trainer: every rank calls
@@ -82,22 +84,24 @@ def make_publisher(
     `ranked.RankedPublisher` (a plain or DDP model is published by rank 0 alone; an FSDP2 model is
     gathered one parameter at a time by every rank). None: one process, as before."""
     if transport not in TRANSPORTS:
-        raise ValueError(f"transport={transport!r}; expected one of {', '.join(map(repr, TRANSPORTS))}")
+        # "collective": the NCCL transport's name before it was "nccl" (collective= is the ranks' plane)
+        was = " (the NCCL transport is 'nccl')" if transport == "collective" else ""
+        raise ValueError(f"transport={transport!r}; expected one of {', '.join(map(repr, TRANSPORTS))}{was}")
     if transport == "directory" and root is None:
         raise ValueError("transport 'directory' needs root: the directory the replicas use as --weights-root")
-    if transport == "collective" and root is not None:
-        raise ValueError("transport 'collective' keeps no copy of the weights: root must be None")
+    if transport == "nccl" and root is not None:
+        raise ValueError("transport 'nccl' keeps no copy of the weights: root must be None")
     if collective is not None:
         from .ranked import RankedPublisher
 
-        if collective.rank != 0 and transport == "collective":
-            from .collective import CollectivePublisher
+        if collective.rank != 0 and transport == "nccl":
+            from .nccl import NcclPublisher
 
             if queue is not None:
                 raise ValueError(f"rank {collective.rank}: only rank 0 holds the queue; pass queue=None")
             if timeout is not None:
                 options["timeout"] = timeout
-            inner = CollectivePublisher(None, rank=collective.rank, **options)
+            inner = NcclPublisher(None, rank=collective.rank, **options)
             return RankedPublisher(inner, collective, transport)
         if collective.rank != 0:
             if queue is not None:
@@ -122,6 +126,6 @@ def make_publisher(
         from .stream import StreamPublisher
 
         return StreamPublisher(queue, save_root=root, keep=keep, **options)
-    from .collective import CollectivePublisher
+    from .nccl import NcclPublisher
 
-    return CollectivePublisher(queue, **options)
+    return NcclPublisher(queue, **options)

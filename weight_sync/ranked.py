@@ -6,7 +6,7 @@ same on every rank (rank 0's, broadcast through the control-plane collective: `c
 e.g. `trainer_adapter.distributed.TorchCollective`). What the ranks do depends on the model:
 
 - **a plain model** (one process, or DDP: every rank holds all the weights): rank 0's publisher (stream,
-  directory or collective) publishes it as it always did; the other ranks only join the broadcast of
+  directory or nccl) publishes it as it always did; the other ranks only join the broadcast of
   the outcome. A resumed run's weights, loaded on rank 0, are broadcast to the others
   (`torch.distributed.broadcast`, tensor by tensor).
 - **a sharded model** (FSDP2 `fully_shard`, DTensors): no rank holds it. Every rank joins a gather
@@ -14,7 +14,7 @@ e.g. `trainer_adapter.distributed.TorchCollective`). What the ranks do depends o
   file and drops it — the extra memory on any rank is one parameter — then publishes that file
   (`publish_written`: pushed chunk by chunk, or loaded by the replicas from the shared root). A resumed
   run's version is read back one tensor at a time on rank 0 and scattered (`sharded.load_sharded`).
-- **the NCCL transport** ("collective", GPUs): every rank has a `CollectivePublisher`; rank 0 is vLLM's
+- **the NCCL transport** ("nccl", GPUs): every rank has an `NcclPublisher`; rank 0 is vLLM's
   sender, the others join the trainer-side gathers of vLLM's `ModuleSource` (`full_tensor()` per
   parameter, as the sender broadcasts each): plain and sharded models alike, nothing written.
 
@@ -81,11 +81,9 @@ class RankedPublisher:
 
     def __init__(self, inner: Any | None, collective: Any, transport: str) -> None:
         rank = collective.rank
-        if transport == "collective" and inner is None:
-            raise ValueError(
-                f"rank {rank}: the collective transport needs a CollectivePublisher on every rank"
-            )
-        if transport != "collective" and (rank == 0) != (inner is not None):
+        if transport == "nccl" and inner is None:
+            raise ValueError(f"rank {rank}: the nccl transport needs an NcclPublisher on every rank")
+        if transport != "nccl" and (rank == 0) != (inner is not None):
             raise ValueError(
                 f"rank {rank}: rank 0 publishes through the queue's replicas and the other ranks through "
                 f"none; got {'no' if inner is None else 'a'} publisher on rank {rank} (pass the queue on "
@@ -136,7 +134,7 @@ class RankedPublisher:
                 "a LoRA model sharded with FSDP2 is not published: its adapter is a few MB, so wrap it "
                 "with DDP (sharding='ddp'), whose rank 0 publishes the adapter"
             )
-        if self.transport == "collective":
+        if self.transport == "nccl":
             # rank 0 forms the NCCL group with the replicas; the others only set up their gathers
             self.inner._own(model)
             version = self._on_rank0(lambda: (self.inner.connect(), self.inner.version)[1], "form the group")
@@ -219,8 +217,8 @@ class RankedPublisher:
     ) -> dict[str, str]:
         """Every rank: publish `model` as `version` (default: the last + 1); {replica_id: result} on every
         rank. A collective; raises on every rank when rank 0's publish failed."""
-        if self.transport == "collective":
-            return self._publish_collective(model, version)
+        if self.transport == "nccl":
+            return self._publish_nccl(model, version)
         if not is_sharded(model):
             results = self._on_rank0(lambda: self.inner.publish(model, version), "publish")
             self._version = self._on_rank0(lambda: self.inner.version, "read the version")
@@ -254,7 +252,7 @@ class RankedPublisher:
         self._version = version
         return results
 
-    def _publish_collective(self, model, version: int | None) -> dict[str, str]:
+    def _publish_nccl(self, model, version: int | None) -> dict[str, str]:
         self.inner._own(model)
         target = self._on_rank0(lambda: next_version(self.inner.version, version), "publish")
         bad = [b for b in self.collective.all_gather(self.inner.nonfinite()) if b is not None]

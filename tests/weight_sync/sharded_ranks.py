@@ -55,8 +55,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--root", default=None, help="the publisher's save_root (the trainer's resume copy)")
     ap.add_argument("--resume", action="store_true", help="resume the namespace's run instead of a new one")
-    ap.add_argument("--transport", choices=("stream", "directory", "collective"), default="stream")
-    ap.add_argument("--master-port", type=int, default=29618, help="the NCCL group's rendezvous (collective)")
+    ap.add_argument("--transport", choices=("stream", "directory", "nccl"), default="stream")
+    ap.add_argument("--master-port", type=int, default=29618, help="the NCCL group's rendezvous (nccl)")
     args = ap.parse_args()
 
     import torch
@@ -70,7 +70,7 @@ def main() -> None:
     from maskroll.weight_sync import make_publisher
 
     torch.set_num_threads(1)
-    cuda = args.transport == "collective"  # NCCL: the model on this rank's GPU, the default group NCCL
+    cuda = args.transport == "nccl"  # NCCL: the model on this rank's GPU, the default group NCCL
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -101,7 +101,7 @@ def main() -> None:
     q = RolloutQueue(args.redis, args.namespace, run=run, batch_size=2) if rank == 0 else None
     if cuda:
         pub = make_publisher(
-            "collective",
+            "nccl",
             q,
             collective=coll,
             model=model,

@@ -13,7 +13,7 @@ import torch
 from maskroll.client import RunInfo
 from maskroll.weight_sync import (
     CheckpointPublisher,
-    CollectivePublisher,
+    NcclPublisher,
     Publisher,
     StreamPublisher,
     broadcast,
@@ -37,21 +37,24 @@ def test_each_transport_makes_its_publisher_with_the_common_arguments(tmp_path):
     assert (pub.save_root, pub.keep, pub.timeout, pub.chunk_bytes) == (str(tmp_path), 3, 120.0, 4096)
     assert make_publisher("stream", _Queue(), follow_s=None).save_root is None  # no copy kept
     model = torch.nn.Linear(2, 2)
-    pub = make_publisher("collective", _Queue(), model=model, master_address="10.0.0.1", master_port=29600)
-    assert isinstance(pub, CollectivePublisher) and pub.model is model and pub.timeout == 600.0
+    pub = make_publisher("nccl", _Queue(), model=model, master_address="10.0.0.1", master_port=29600)
+    assert isinstance(pub, NcclPublisher) and pub.model is model and pub.timeout == 600.0
 
 
 def test_the_factory_refuses_what_a_transport_cannot_use(tmp_path):
-    expected = "transport='nfs'; expected one of 'directory', 'stream', 'collective'"
+    expected = "transport='nfs'; expected one of 'directory', 'stream', 'nccl'$"
     with pytest.raises(ValueError, match=expected):
         make_publisher("nfs", _Queue(), root=tmp_path)
     with pytest.raises(ValueError, match="'directory' needs root"):
         make_publisher("directory", _Queue())
-    with pytest.raises(ValueError, match="'collective' keeps no copy"):
-        make_publisher("collective", _Queue(), root=tmp_path, model=None, master_address="h", master_port=1)
+    with pytest.raises(ValueError, match="'nccl' keeps no copy"):
+        make_publisher("nccl", _Queue(), root=tmp_path, model=None, master_address="h", master_port=1)
+    # the NCCL transport's old name is refused with its new one (collective= is the ranks' control plane)
+    with pytest.raises(ValueError, match=r"transport='collective'; .* \(the NCCL transport is 'nccl'\)"):
+        make_publisher("collective", _Queue(), model=None, master_address="h", master_port=1)
 
 
-@pytest.mark.parametrize("cls", [CheckpointPublisher, StreamPublisher, CollectivePublisher])
+@pytest.mark.parametrize("cls", [CheckpointPublisher, StreamPublisher, NcclPublisher])
 def test_every_publisher_has_the_protocols_members(cls):
     assert isinstance(inspect.getattr_static(cls, "version"), property)
     for name in ("start", "publish", "close"):

@@ -179,7 +179,7 @@ def _cuda_devices() -> int:
     reason="FSDP2 over NCCL to a vLLM replica needs vLLM and three CUDA devices (2 trainer ranks, a replica)",
 )
 def test_fsdp_over_nccl_reaches_a_vllm_replica(model_dir, redis_url, tmp_path):
-    """Two FSDP2 ranks on GPUs 0-1 publish through the collective transport to a vLLM replica on GPU 2;
+    """Two FSDP2 ranks on GPUs 0-1 publish through the nccl transport to a vLLM replica on GPU 2;
     both ranks end at version 1 and the replica serves it. (Not run on the CPU machine of this change.)"""
     from maskroll.client import SyncRolloutClient
     from maskroll.local.replica import LocalReplica
@@ -192,7 +192,7 @@ def test_fsdp_over_nccl_reaches_a_vllm_replica(model_dir, redis_url, tmp_path):
         os.environ["CUDA_VISIBLE_DEVICES"] = "0,1"
         try:
             reports = _torchrun(
-                "fsdp", model_dir, redis_url, tmp_path, "--transport", "collective", namespace=NS + "-nccl"
+                "fsdp", model_dir, redis_url, tmp_path, "--transport", "nccl", namespace=NS + "-nccl"
             )
         finally:
             del os.environ["CUDA_VISIBLE_DEVICES"]

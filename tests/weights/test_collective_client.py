@@ -1,7 +1,7 @@
 """The NCCL transport's control side without GPUs: GrpcWeightSyncClient (vLLM's VLLMWeightSyncClient
 protocol over UpdateWeights) gives each replica its own ranks and carries the tensor list; a replica
 whose engine cannot take NCCL (the torch engine) refuses with UNIMPLEMENTED, reported per replica;
-CollectivePublisher records each version in the run record before the broadcast, as the other
+NcclPublisher records each version in the run record before the broadcast, as the other
 publishers do, and refuses (recording nothing) a version that does not move forward or a NaN."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from maskroll.client import ReplicaInfo
-from maskroll.weight_sync.collective import GrpcWeightSyncClient
+from maskroll.weight_sync.nccl import GrpcWeightSyncClient
 from maskroll.weight_sync.publish import WeightSyncError
 
 
@@ -59,17 +59,17 @@ class _TrainerEngine:
         self.client.finish_weight_update()
 
 
-def test_collective_publish_records_the_version_in_the_run_like_the_other_publishers(torch_replica):
+def test_nccl_publish_records_the_version_in_the_run_like_the_other_publishers(torch_replica):
     import torch
 
     from maskroll.client import RolloutQueue
     from maskroll.local.redis_server import LocalRedis
     from maskroll.proto.run_record import NCCL_CHECKPOINT
-    from maskroll.weight_sync.collective import CollectivePublisher
+    from maskroll.weight_sync.nccl import NcclPublisher
 
     model = torch.nn.Linear(4, 4)
     with LocalRedis() as srv, RolloutQueue(srv.url, "nccl", run="new", batch_size=1) as q:
-        pub = CollectivePublisher(q, model, master_address="127.0.0.1", master_port=1)
+        pub = NcclPublisher(q, model, master_address="127.0.0.1", master_port=1)
         pub.client = GrpcWeightSyncClient([ReplicaInfo("torch-0", torch_replica.address)], timeout=10)
         # connect() without the NCCL rendezvous
         pub.client._init = {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2}

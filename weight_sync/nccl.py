@@ -1,4 +1,5 @@
-"""NCCL weight sync on GPUs through vLLM's own weight-transfer engine (`vllm.distributed.weight_transfer`).
+"""The nccl transport's trainer end: weight sync on GPUs through vLLM's own weight-transfer engine
+(`vllm.distributed.weight_transfer`).
 
 The trainer is rank 0 of one NCCL group; every replica's vLLM workers join it (replica i's workers at
 rank_offset 1 + i * tensor_parallel_size). vLLM's trainer-side engine (`NCCLTrainerWeightTransferEngine`)
@@ -7,7 +8,7 @@ does the rendezvous and the packed broadcast; it drives the inference side throu
 `CollectiveSource` (init: join the group; otherwise: receive the listed tensors), sent to every replica
 in parallel (`broadcast.collective_update`). Each replica pauses, receives into its live
 model (vLLM's layerwise reload: no second copy of the weights), relabels its version and resumes, as
-for the other transports (server/weights/sources.py).
+for the other transports (the replica's end: server/weights/nccl.py).
 
 Only the sending trainer rank checks values: NaN or inf anywhere refuses the version before a byte is
 sent, since the bytes land in the replicas' models directly. The replica checks names and shapes
@@ -15,12 +16,12 @@ against its model before receiving. As the other publishers, `publish` records e
 record (`RolloutQueue.record_version`, with `run_record.NCCL_CHECKPOINT`) and makes it the trainer's
 policy version before any replica loads it, and takes the version rule and the per-replica results
 from `publish.py`. The group's world size is fixed at `connect()`: a replica that starts later cannot
-enter it; it finds that marker in the run record and starts on its own weights (server/weights/join.py) until
-the trainer forms a new group with it (or publishes through a StreamPublisher or the directory).
+enter it; it finds that marker in the run record and starts on its own weights (server/weights/join.py)
+until the trainer forms a new group with it (or publishes through a StreamPublisher or the directory).
 Needs CUDA, NCCL and vLLM on the trainer; the replicas run the vLLM engine started with
 `--vllm-arg weight_transfer_config='{"backend": "nccl"}'`.
 
-A data-parallel trainer (issue 21) makes one CollectivePublisher per rank (`rank`, through
+A data-parallel trainer (issue 21) makes one NcclPublisher per rank (`rank`, through
 `make_publisher(..., collective=...)`: `ranked.RankedPublisher`): rank 0 is vLLM's sender (the NCCL
 group with the replicas, the RPCs, the run record); the other ranks hold no queue and are not in the
 group, they only join the trainer-side gathers — vLLM's `ModuleSource` gathers an FSDP2 model one
@@ -117,10 +118,10 @@ class GrpcWeightSyncClient:
         """Nothing to do: the replicas finished (and relabelled) in update_weights."""
 
 
-class CollectivePublisher:
+class NcclPublisher:
     """Publish versions of `model` (on CUDA) to every live replica of `queue` over NCCL.
 
-    pub = CollectivePublisher(q, model, master_address="10.0.0.5", master_port=29600)
+    pub = NcclPublisher(q, model, master_address="10.0.0.5", master_port=29600)
     pub.start(model)         # the rendezvous (connect): every live replica joins the group
     for step in ...:
         ...                  # an optimiser step
@@ -147,7 +148,7 @@ class CollectivePublisher:
             raise ValueError(f"rank {rank}: the queue is rank 0's, and only rank 0's (queue=None elsewhere)")
         from .lora import refuse_lora
 
-        refuse_lora(model, "collective (NCCL)")
+        refuse_lora(model, "nccl")
         self.queue, self.model, self.rank = queue, model, rank
         self.master_address, self.master_port, self.packed = master_address, master_port, packed
         self.tp, self.timeout = tensor_parallel_size, timeout
@@ -175,7 +176,7 @@ class CollectivePublisher:
                 "publish(model, version): the version is the second argument (publish(version=v))"
             )
         if model is not None and model is not self.model:
-            raise ValueError("CollectivePublisher sends the model it was made with (NCCL reads it in place)")
+            raise ValueError("NcclPublisher sends the model it was made with (NCCL reads it in place)")
 
     def connect(self) -> list[str]:
         """Form the group with the live replicas; returns their ids."""
