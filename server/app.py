@@ -138,9 +138,8 @@ class Replica:
             if lane.announce_task is not None:  # out of the registry: trainers stop pushing to it
                 with contextlib.suppress(Exception):
                     await self.redis.delete(lane.keys.replica(self.config.replica_id))
+        # Both front ends refuse new work from now on (one running set); what runs has timeout_s.
         self.core.running.begin_drain()
-        # The HTTP front end drains beside gRPC, under the same timeout, and is closed before the engine.
-        http_drain = asyncio.create_task(self.http.drain(timeout_s)) if self.http is not None else None
         started = asyncio.get_running_loop().time()
         pulling = [lane for lane in self.lanes if lane.puller is not None]
         if pulling:
@@ -169,8 +168,8 @@ class Replica:
                 log.warning("drain: %d requests did not end after the abort", len(running))
         # Whatever is left (health Watch streams, a client not reading its last chunks) is cancelled.
         await self.server.stop(grace=STOP_GRACE_S)
-        if http_drain is not None:
-            await http_drain
+        if self.http is not None:  # closed before the engine
+            await self.http.close()
         if self.owns_engine:
             await self.engine.close()
         if self._httpd is not None:
@@ -390,7 +389,7 @@ async def _start_http(replica: Replica, publisher: RolloutPublisher | None):
 
     c = replica.config
     try:
-        http = await HttpFrontEnd.create(replica.core, replica.servicer)
+        http = await HttpFrontEnd.create(replica.core)
         http.problems = lambda: problems(replica)
         await http.start()
     except OSError as exc:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-import grpc
-
 from ..errors import ServiceError, TooManySessions, code_of
 
 
@@ -31,15 +29,6 @@ class UnsupportedMediaType(ServiceError):
 
 class CrossOrigin(ServiceError):
     code = "PERMISSION_DENIED"
-
-
-class RpcAbort(Exception):
-    """A servicer method ended the call with a status (the native JSON API runs the gRPC servicer's
-    methods with a context whose abort() raises this)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
 
 
 STATUS_OF_CODE = {
@@ -97,10 +86,7 @@ def rename_field(message: str, fields: Mapping[str, str]) -> tuple[str | None, s
 
 def http_error(exc: BaseException, fields: Mapping[str, str] | None = None) -> tuple[int, dict]:
     """The HTTP status and OpenAI error body for `exc` (the caller logs a 500)."""
-    if isinstance(exc, RpcAbort):
-        code, message = exc.code.name, exc.details
-    else:
-        code, message = code_of(exc)
+    code, message = code_of(exc)
     status = getattr(exc, "http_status", None) or _HTTP_STATUS.get(type(exc)) or STATUS_OF_CODE.get(code, 500)
     param = None
     if status == 400:

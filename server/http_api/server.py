@@ -1,13 +1,13 @@
 """The HTTP front end's server: uvicorn on the replica's own event loop, beside the gRPC server.
 
-`HttpFrontEnd.start()` loads the model's tokenizer and chat template, binds the port (0 = a free one)
-and serves `http_app.build_app` with uvicorn in the running loop, so both front ends share one engine,
-one pipeline's rules, the auth token, the TLS certificate and the limits. `drain()` is the HTTP half of
-the replica's graceful stop: new calls get 503 and /readyz turns 503 at once; running calls finish for
-up to the drain timeout, then are aborted (finish_reason "abort"); then the listener closes.
-Agent sessions live in this process's memory: without Redis, those still open at the end are lost
-(logged); with Redis, their state after their last turn is in Redis and any replica of the namespace
-continues them.
+`HttpFrontEnd.create()` loads the model's tokenizer and chat template; `start()` binds the port (0 = a
+free one) and serves `routes.build_app` with uvicorn in the running loop, so both front ends share one
+core (engine, pipeline, running set, weights), the auth token, the TLS certificate and the limits. The
+drain is the replica's (server/app.py): once the core's running set drains, new calls get 503 and
+/readyz turns 503 at once; running calls finish for up to the drain timeout, then are aborted
+(finish_reason "abort"); then `close()` closes the listener. Agent sessions live in this process's
+memory: without Redis, those still open at the end are lost (logged); with Redis, their state after
+their last turn is in Redis and any replica of the namespace continues them.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ from collections.abc import Callable
 import uvicorn
 
 from ..core import ReplicaCore
-from ..grpc_api.servicer import RolloutServicer
 from .chat import ChatFormat
-from .openai_serving import OpenAIServing
-from .routes import build_app
+from .openai.serving import OpenAIServing
+from .routes import build_app, served_by
+from .sessions.serving import SessionServing
 
 log = logging.getLogger(__name__)
 
-ABORT_GRACE_S = 5.0  # after aborting, streams still send their last events
 # The OpenAI responses are built in Python on the event loop (JSON per token, K entries each), holding the
 # GIL; the torch engine's decode thread needs the GIL between its torch calls and CPython hands it over
 # only every switch interval (5 ms by default), so each decode step could wait that long behind the loop.
@@ -48,35 +47,28 @@ class _Server(uvicorn.Server):
 
 
 class HttpFrontEnd:
-    def __init__(self, core: ReplicaCore, servicer: RolloutServicer, chat: ChatFormat) -> None:
-        config, engine, metrics = core.config, core.engine, core.metrics
-        self.core, self.config, self.servicer, self.metrics = core, config, servicer, metrics
-        # The run of the weights served is the core's (UpdateWeights sets it, over gRPC or HTTP).
-        self.serving = OpenAIServing(
-            engine,
-            config,
-            chat,
-            metrics,
-            core.serving.publisher,
-            lambda: core.updates.run_id,
-            not_ready=lambda: core.not_ready,
-            adapters=core.adapters,
-        )
+    def __init__(self, core: ReplicaCore, chat: ChatFormat) -> None:
+        self.core, self.config, self.metrics = core, core.config, core.metrics
+        self.sessions = SessionServing(core.config, core.metrics, core.serving.publisher, core.serving.keys)
+        self.openai = OpenAIServing(core, chat, self.sessions)
+        self.bearer = f"Bearer {core.config.token}".encode() if core.config.token else None
+        self.served_by = served_by(core.config.replica_id)
         # Why the replica is not ready (/readyz): server/app.py sets the replica's own rule, which the
         # gRPC health services follow too; by default the core's and the engine's reasons.
-        self.problems: Callable[[], list[str]] = lambda: [p for p in (core.not_ready, engine.failure()) if p]
+        self.problems: Callable[[], list[str]] = lambda: [
+            p for p in (core.not_ready, core.engine.failure()) if p
+        ]
         self.app = build_app(self)
         self.port: int | None = None
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
-        self._drained = False
 
     @classmethod
-    async def create(cls, core: ReplicaCore, servicer: RolloutServicer) -> HttpFrontEnd:
+    async def create(cls, core: ReplicaCore) -> HttpFrontEnd:
         # transformers' import and the tokenizer load take seconds: off the event loop.
         chat = await asyncio.to_thread(ChatFormat, core.config.model)
         chat.limit(core.engine.limits.max_model_len)  # texts the context cannot hold are refused untokenized
-        return cls(core, servicer, chat)
+        return cls(core, chat)
 
     @property
     def scheme(self) -> str:
@@ -106,31 +98,11 @@ class HttpFrontEnd:
         self.port = sock.getsockname()[1]
         return self.port
 
-    # ---- drain: the same interface as the gRPC servicer ------------------------------------------
-
-    @property
-    def in_flight(self) -> int:
-        return self.serving.in_flight
-
-    def begin_drain(self) -> None:
-        self.serving.begin_drain()
-
-    def abort_all(self) -> None:
-        self.serving.abort_all()
-
-    async def drain(self, timeout_s: float) -> None:
-        """Refuse new calls, let running ones finish for `timeout_s`, abort the rest, close. Idempotent."""
-        if self._drained:
-            return
-        self._drained = True
-        self.begin_drain()
-        if not await self.serving.wait_idle(timeout_s):
-            log.warning("drain: %d HTTP calls running after %.1f s; aborting", self.in_flight, timeout_s)
-            self.abort_all()
-            if not await self.serving.wait_idle(ABORT_GRACE_S):
-                log.warning("drain: %d HTTP calls did not end after the abort", self.in_flight)
-        if len(self.serving.sessions) and self.serving.durable is None:
-            log.warning("drain: %d agent sessions were not finished; dropped", len(self.serving.sessions))
+    async def close(self) -> None:
+        """Close the listener once the replica has drained (server/app.py)."""
+        store = self.sessions.store
+        if len(store) and self.sessions.durable is None:
+            log.warning("drain: %d agent sessions were not finished; dropped", len(store))
         await self.stop()
 
     async def stop(self) -> None:

@@ -275,12 +275,12 @@ def test_drain_refuses_new_calls_and_aborts_running_ones(http_loop, http_engine,
         t = threading.Thread(target=consume)
         t.start()
         assert first.wait(30)
-        s.replica.http.begin_drain()
+        s.replica.core.running.begin_drain()  # the whole replica: both front ends refuse
         with s.http() as c:
             assert c.get("/readyz").status_code == 503
             r = c.post(C, json={**BASE, "max_tokens": 1})
             assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
-        http_loop.run(s.replica.http.drain(0.2))  # far less than 1020 tokens take
+        http_loop.run(s.replica.drain(0.2))  # far less than 1020 tokens take
         t.join(30)
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"

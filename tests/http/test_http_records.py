@@ -121,8 +121,8 @@ def test_incremental_detokenization_equals_decoding_the_whole(tiny_model_dir):
 
 
 def test_a_tool_call_reply_sent_back_as_the_openai_client_sends_it_extends_the_session(tiny_model_dir):
-    from maskroll.server.http_api.openai_compat import normalize_messages
-    from maskroll.server.http_api.sessions import Session
+    from maskroll.server.http_api.openai.protocol import normalize_messages
+    from maskroll.server.http_api.sessions.trajectory import Session
 
     chat = ChatFormat(tiny_model_dir)
     s = Session("s", "", touched=0.0)

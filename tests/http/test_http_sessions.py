@@ -17,7 +17,7 @@ from http_fixtures import NAMESPACE, make_served
 from maskroll.app.model_init import BOS_ID, EOS_ID
 from maskroll.proto import wire
 from maskroll.proto.streams import F_RECORD, StreamKeys
-from maskroll.server.http_api.sessions import SessionStore
+from maskroll.server.http_api.sessions.trajectory import SessionStore
 from maskroll.trainer_adapter import collate
 
 CALCULATOR = {

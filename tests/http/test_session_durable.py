@@ -21,9 +21,9 @@ from maskroll.proto import wire
 from maskroll.proto.records import RolloutRecord, Semantics
 from maskroll.proto.streams import F_RECORD, StreamKeys
 from maskroll.server.errors import AlreadyExists
-from maskroll.server.http_api.session_redis import Lease, LeaseLost, SessionRedis
-from maskroll.server.http_api.session_state import StateError, decode_state, encode_state
-from maskroll.server.http_api.sessions import Plan, Session
+from maskroll.server.http_api.sessions.durable import Lease, LeaseLost, SessionRedis
+from maskroll.server.http_api.sessions.state import StateError, decode_state, encode_state
+from maskroll.server.http_api.sessions.trajectory import Plan, Session
 
 K = 3
 SEM = Semantics(temperature=0.7, top_k=5, logprobs_k=K, engine="torch", model="tiny")

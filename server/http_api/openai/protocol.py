@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from maskroll.proto.records import SamplingOptions
 
-from ..errors import InvalidArgument
-from .chat import ChatFormat
+from ...errors import InvalidArgument
+from ..chat import ChatFormat
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -315,7 +315,7 @@ def completion_logprobs(
     }
 
 
-# ---- whole responses and streams (a prepared openai_serving.Call and its pieces) -----------------------
+# ---- whole responses and streams (a prepared serving.Call and its pieces) -----------------------
 
 
 def _logprobs(chat: ChatFormat, x, top: int, kind: str, offset: int = 0) -> dict | None:

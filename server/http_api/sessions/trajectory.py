@@ -14,7 +14,7 @@ turns' logprobs and policy versions. Each call is planned against it (`plan_chat
 
 `record()` assembles the whole trajectory into one RolloutRecord (schema version 2). `SessionStore`
 bounds how many sessions live, how long an idle one lives and how many tokens one may hold; with Redis it
-is the replica's cache of the fleet's sessions (`session_redis`). Pure state (no engine, HTTP or Redis);
+is the replica's cache of the fleet's sessions (`durable`). Pure state (no engine, HTTP or Redis);
 the HTTP front end runs the turns and publishes the record.
 """
 
@@ -37,8 +37,8 @@ from maskroll.proto.records import (
     rollout_id_for,
 )
 
-from ..errors import AlreadyExists, InvalidArgument, NotFound, TooManySessions
-from .chat import ChatFormat
+from ...errors import AlreadyExists, InvalidArgument, NotFound, TooManySessions
+from ..chat import ChatFormat
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 # Finished sessions whose answer a retried finish gets again: at most this many, and at most
@@ -84,7 +84,7 @@ class Session:
     # Who is using the session (a call id, "finish"), or None: its calls take turns, a second one at
     # the same time is refused (409) rather than queued behind a stream the client may never read.
     busy: str | None = None
-    seq: int = 0  # turns of this episode saved to Redis (session_redis); 0 = none, or no Redis
+    seq: int = 0  # turns of this episode saved to Redis (durable.py); 0 = none, or no Redis
 
     def current(self) -> list[int]:
         return [] if self.prompt_ids is None else [*self.prompt_ids.tolist(), *self.ids]

@@ -4,7 +4,7 @@ in the namespace's Redis, so that any replica of the namespace serves a session'
 Three keys per session, in partition 0's slot (`proto.streams.PartitionKeys.session*`, the slot of the
 rollout stream the record goes to):
 
-- state (hash `h` header, `r` record in progress, `seq` turns saved; `session_state`'s codec): written
+- state (hash `h` header, `r` record in progress, `seq` turns saved; `state`'s codec): written
   after every turn, expiring `ttl_s` (session_idle_s) after it — the same bound as a session in memory;
 - lease (string: the owner's random token, SET NX PX `lease_s`): held by the one call running on the
   session anywhere in the fleet, renewed every lease_s / 3 while it runs, released by compare-and-delete.
@@ -31,9 +31,9 @@ from redis.exceptions import ResponseError
 
 from maskroll.proto.streams import F_RECORD, PartitionKeys
 
-from ..errors import AlreadyExists, InvalidArgument
-from .session_state import decode_state, encode_state
-from .sessions import Session
+from ...errors import AlreadyExists, InvalidArgument
+from .state import decode_state, encode_state
+from .trajectory import Session
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ pickle: a replica decodes only data. `decode_state` rebuilds a `Session` whose `
 encoded session would have produced (tests/http/test_session_durable.py), so a moved session is
 re-prefilled from its stored ids and never re-tokenized.
 
-Pure (no Redis, no engine); `session_redis` stores the two parts.
+Pure (no Redis, no engine); `durable` stores the two parts.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 from maskroll.proto import wire
 
-from .sessions import Session, Turn
+from .trajectory import Session, Turn
 
 STATE_VERSION = 1  # the header's layout; a replica refuses a state it does not know
 
