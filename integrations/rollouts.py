@@ -290,7 +290,7 @@ class QueueSource(_Source):
 
 
 class _GrpcBroadcaster:
-    """A fixed list of replicas as a weight publisher's fleet (`maskroll.weight_sync.publish.Fleet`):
+    """A fixed list of replicas as a weight publisher's fleet (`maskroll.weight_sync.directory.Fleet`):
     UpdateWeights on each, and the policy version. With no queue there is no run to hold the version,
     so this object owns it: it starts where the caller says (the replicas' own, GrpcSource's
     replica_version) and each broadcast advances it."""

@@ -4,7 +4,7 @@ One `Publisher` protocol (start / publish / version / close) and one factory, `m
 queue, ...)` (factory.py), over three transports with one run semantics: "stream" (`StreamPublisher`,
 `stream.py`, the default of `maskroll demo` and the deployment) pushes each version's tensors to every
 replica over gRPC (PushWeights: no shared filesystem); "directory" (`CheckpointPublisher`,
-`publish.py`) writes it in the checkpoint layout (`checkpoint.py`) under the replicas' `--weights-root`
+`directory.py`) writes it in the checkpoint layout (`checkpoint.py`) under the replicas' `--weights-root`
 (a shared volume) and announces it (UpdateWeights); "nccl" (`NcclPublisher`, `nccl.py`, GPUs only)
 sends it over NCCL through vLLM's weight-transfer engine. A data-parallel trainer passes
 `collective=` (its ranks' control plane) and gets a `RankedPublisher` (`ranked.py`) on every rank: rank 0
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         save_checkpoint,
         write_trained,
     )
+    from .directory import CheckpointPublisher
     from .factory import Publisher, Transport, make_publisher
     from .lora import (
         LoraUnsupported,
@@ -45,9 +46,9 @@ if TYPE_CHECKING:
         save_adapter,
     )
     from .nccl import NcclPublisher
-    from .publish import CheckpointPublisher, WeightSyncError
     from .ranked import RankedPublisher
     from .stream import StreamPublisher
+    from .versions import WeightSyncError
 
 _LAZY = {
     "CHECKPOINT_FILE": "checkpoint",
@@ -56,8 +57,8 @@ _LAZY = {
     "load_checkpoint": "checkpoint",
     "write_trained": "checkpoint",
     "read_trained": "checkpoint",
-    "CheckpointPublisher": "publish",
-    "WeightSyncError": "publish",
+    "CheckpointPublisher": "directory",
+    "WeightSyncError": "versions",
     "StreamPublisher": "stream",
     "RankedPublisher": "ranked",
     "NcclPublisher": "nccl",

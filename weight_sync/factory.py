@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from maskroll.client import RolloutQueue
 
-    from .publish import Fleet
+    from .directory import Fleet
 
 Transport = Literal["directory", "stream", "nccl"]
 TRANSPORTS: tuple[Transport, ...] = ("directory", "stream", "nccl")
@@ -119,7 +119,7 @@ def make_publisher(
     if timeout is not None:
         options["timeout"] = timeout
     if transport == "directory":
-        from .publish import CheckpointPublisher
+        from .directory import CheckpointPublisher
 
         return CheckpointPublisher(queue, root, keep=keep, **options)
     if transport == "stream":

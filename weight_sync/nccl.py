@@ -15,7 +15,7 @@ sent, since the bytes land in the replicas' models directly. The replica checks 
 against its model before receiving. As the other publishers, `publish` records each version in the run
 record (`RolloutQueue.record_version`, with `run_record.NCCL_CHECKPOINT`) and makes it the trainer's
 policy version before any replica loads it, and takes the version rule and the per-replica results
-from `publish.py`. The group's world size is fixed at `connect()`: a replica that starts later cannot
+from `versions.py`. The group's world size is fixed at `connect()`: a replica that starts later cannot
 enter it; it finds that marker in the run record and starts on its own weights (server/weights/join.py)
 until the trainer forms a new group with it (or publishes through a StreamPublisher or the directory).
 Needs CUDA, NCCL and vLLM on the trainer; the replicas run the vLLM engine started with
@@ -40,7 +40,7 @@ from maskroll.proto.run_record import NCCL_CHECKPOINT
 from maskroll.proto.tensor_push import CollectiveSpec, TensorSpec
 
 from .broadcast import collective_update
-from .publish import WeightSyncError, checked, next_version
+from .versions import WeightSyncError, checked, next_version
 
 
 class GrpcWeightSyncClient:

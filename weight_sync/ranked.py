@@ -33,8 +33,8 @@ import torch
 
 from .checkpoint import checkpoint_dir
 from .lora import LoraUnsupported, is_lora
-from .publish import WeightSyncError, next_version
 from .sharded import is_sharded, load_sharded, read_written, version_file, write_gathered
+from .versions import WeightSyncError, checked, next_version
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +201,6 @@ class RankedPublisher:
         if self.transport == "stream":
             self._resumed_written(read_written(version_file(directory), version))
         else:
-            from .publish import checked
-
             inner = self.inner
             checked(version, inner.fleet.sync_replicas(timeout=inner.timeout), inner.require_all)
 

@@ -13,7 +13,7 @@ gRPC server, in this process, pulling from a real Redis), after one real optimis
 - The gather and the file on their own (`sharded.write_gathered`, `read_written`, `load_sharded`), and
   `RankedPublisher`'s errors: rank 0's raised on every rank.
 - GPUs (skipped without three CUDA devices and vLLM): FSDP2 over the NCCL transport to a vLLM replica.
-The single-process publishers are covered, unchanged, by tests/weight_sync/test_publish.py and
+The single-process publishers are covered, unchanged, by tests/weight_sync/test_directory.py and
 tests/weights/test_stream_publish.py.
 """
 
@@ -250,10 +250,10 @@ load_sharded(m2, f"{out}/v1" if coll.rank == 0 else None, coll)
 got = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in m2.state_dict().items()}
 assert all(torch.equal(got[k], full[k]) for k in full), [k for k in full if not torch.equal(got[k], full[k])]
 
-# RankedPublisher over the directory transport and a stand-in for the replicas (a publish.Fleet): the
+# RankedPublisher over the directory transport and a stand-in for the replicas (a directory.Fleet): the
 # sharded model is written under the root by rank 0, both ranks learn the version, and rank 0's errors
 # are raised on both ranks (none is left waiting in a collective)
-from maskroll.weight_sync.publish import CheckpointPublisher, WeightSyncError
+from maskroll.weight_sync import CheckpointPublisher, WeightSyncError
 from maskroll.weight_sync.ranked import RankedPublisher
 class Fleet:
     def __init__(self):

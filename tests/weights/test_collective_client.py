@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from maskroll.client import ReplicaInfo
+from maskroll.weight_sync import WeightSyncError
 from maskroll.weight_sync.nccl import GrpcWeightSyncClient
-from maskroll.weight_sync.publish import WeightSyncError
 
 
 def test_each_replica_gets_its_own_rank_offset():

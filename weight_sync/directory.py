@@ -1,4 +1,5 @@
-"""CheckpointPublisher: after an optimiser step, write the new policy and make every live replica load it.
+"""The directory transport's trainer end (the replica's: server/weights/directory.py): CheckpointPublisher,
+which after an optimiser step writes the new policy and makes every live replica load it.
 
 One call per version: save the checkpoint (`checkpoint.py` layout), then `broadcast_weights`
 (broadcast.py) records the version as the run's latest in Redis, makes it the trainer's policy version
@@ -15,16 +16,15 @@ samples for this run from weights the run does not have.
 
 The publisher sends through a `Fleet`: the live replicas of a `RolloutQueue`'s run (`QueueFleet`, the
 usual case), or a fixed list of replicas with no queue (maskroll.integrations.rollouts). The fleet owns
-the version the publisher advances — for a queue, the queue's policy version (its run's).
-The rules every publisher shares (the next version, per-replica results, a new run's starting
-weights) are here too.
+the version the publisher advances — for a queue, the queue's policy version (its run's). The rules
+every publisher shares (the next version, per-replica results) are `versions.py`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -36,41 +36,12 @@ from . import broadcast
 from .checkpoint import CHECKPOINT_FILE, checkpoint_dir, load_checkpoint, prune, save_checkpoint
 from .fingerprint import model_fingerprint
 from .lora import refuse_lora
+from .versions import WeightSyncError, checked, next_version, publish_first
 
 if TYPE_CHECKING:
     from maskroll.client import RolloutQueue, RunInfo
 
 log = logging.getLogger(__name__)
-
-OK = ("ok", "unchanged", "adopted")  # a replica that serves the version now
-
-
-def next_version(last: int, version: int | None) -> int:
-    """The version a publish makes current: `version`, or the last published + 1. ValueError if it does
-    not move the run forward (0 may be published again while the run is at 0: its starting weights)."""
-    version = last + 1 if version is None else int(version)
-    if version < last or (version == last and version != 0):
-        raise ValueError(f"version {version} does not move the run forward: the last published is {last}")
-    return version
-
-
-def checked(version: int, results: dict[str, str], require_all: bool) -> dict[str, str]:
-    """`results` ({replica_id: "ok" | "unchanged" | error}) of publishing `version`; WeightSyncError if
-    no replica serves it, or with `require_all` if any failed (the queue has logged them)."""
-    failed = {r: e for r, e in results.items() if e not in OK}
-    if (failed and require_all) or len(failed) == len(results):
-        raise WeightSyncError(version, failed, results)
-    return results
-
-
-class WeightSyncError(BroadcastError):
-    """A published version did not reach the replicas it had to reach."""
-
-    def __init__(self, version: int, failed: dict[str, str], results: dict[str, str] | None = None) -> None:
-        super().__init__(version, results if results is not None else failed)
-        self.failed = failed
-        detail = "; ".join(f"{r}: {e}" for r, e in failed.items()) or "no live replica in the namespace"
-        self.args = (f"policy version {version} was not loaded by every replica ({detail})",)
 
 
 class Fleet(Protocol):
@@ -111,17 +82,6 @@ class QueueFleet:
 
     def adopt_replicas(self, fingerprint: str, timeout: float = 10.0) -> dict[str, str]:
         return broadcast.adopt_replicas(self.queue, fingerprint, timeout)
-
-
-def publish_first(publish: Callable[[torch.nn.Module, int], dict[str, str]], model: torch.nn.Module) -> dict:
-    """A new run's version 0 through `publish` (a publisher's): its results, {} when no replica is live
-    yet; a replica that was there and did not take it raises (WeightSyncError)."""
-    try:
-        return publish(model, 0)
-    except WeightSyncError as e:
-        if e.results:
-            raise
-        return {}
 
 
 def _starting(adopted: Mapping[str, str], results: Mapping[str, str]) -> str:
