@@ -29,13 +29,12 @@ from typing import Literal
 
 from maskroll.local.replica import LocalReplica, stop_all, wait_all
 from maskroll.recipes.config import GRPOConfig
+from maskroll.weight_sync import CpuTransport
 
 from .flags import add_flags, from_flags
 
 Engine = Literal["auto", "torch", "vllm"]
 Trainer = Literal["maskroll", "trl"]  # the GRPO recipe, or TRL's GRPOTrainer through maskroll (recipes/)
-# stream: weights pushed to the replicas over gRPC (no shared filesystem); directory: a shared weights root
-WeightTransport = Literal["stream", "directory"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ class DemoConfig:
     namespace: str = "demo"
     weights_dir: Path | None = None
     model: Path | None = None  # written by init-model when unset
-    weight_transport: WeightTransport = "stream"
+    weight_transport: CpuTransport = "stream"
     distill: Path | None = None
     distill_weight: float | None = None
 

@@ -353,11 +353,15 @@ class MaskrollGRPOTrainer(GRPOTrainer):
                 # A reopened stream publisher is told what the model holds (it keeps no copy on disk).
                 stream = cfg.weight_transport == "stream"
                 extra = {"resume_from_base": cfg.resume_from_base, "held": self._held} if stream else {}
-                if self._collective.world_size > 1:  # every rank publishes; only rank 0 holds the queue
-                    extra["collective"] = self._collective
                 queue = None if self._source is None else self._source.broadcaster
                 self._publisher = make_publisher(
-                    cfg.weight_transport, queue, root=cfg.weights_root, keep=2, **extra
+                    cfg.weight_transport,
+                    queue,
+                    # every rank publishes; only rank 0 holds the queue
+                    collective=self._collective if self._collective.world_size > 1 else None,
+                    root=cfg.weights_root,
+                    keep=2,
+                    **extra,
                 )
                 # The run's version on trainer and replicas: a resumed run loads its latest weights
                 # into the model (rank 0's, sent to every rank); a new one publishes the model as

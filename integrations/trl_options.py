@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 import os
+import typing
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from maskroll.client.runs import RunMode
 from maskroll.trainer_adapter.config import MaskConfig
+from maskroll.weight_sync import CpuTransport
 
 if TYPE_CHECKING:
     from trl import GRPOConfig
@@ -74,7 +76,7 @@ class MaskrollConfig:
     partitions: int = 1
     run: RunMode | None = None
     replicas: tuple[str, ...] = ()
-    weight_transport: Literal["stream", "directory"] | None = None
+    weight_transport: CpuTransport | None = None
     weights_root: str | os.PathLike | None = None
     mask: MaskConfig = field(default_factory=MaskConfig)
     logprobs_k: int = 20
@@ -96,7 +98,7 @@ class MaskrollConfig:
             )
         if self.weight_transport is None:  # frozen: set the default as the field's value
             object.__setattr__(self, "weight_transport", "stream" if self.redis_url else "directory")
-        if self.weight_transport not in ("stream", "directory"):
+        if self.weight_transport not in typing.get_args(CpuTransport):
             raise ValueError(
                 f"MaskrollConfig.weight_transport={self.weight_transport!r}; expected 'stream' or 'directory'"
             )

@@ -64,6 +64,7 @@ from maskroll.trainer_adapter.collate import Batch
 from maskroll.trainer_adapter.distill import distill_advantages
 from maskroll.weight_sync import (
     CHECKPOINT_FILE,
+    CpuTransport,
     checkpoint_dir,
     is_lora,
     make_publisher,
@@ -296,7 +297,7 @@ def train(
     weights_root: Path,
     min_replicas: int = 1,
     run: Literal["new", "resume"] = "new",
-    weight_transport: Literal["stream", "directory"] = "stream",
+    weight_transport: CpuTransport = "stream",
     reward_stage: bool = False,
     task=None,
     distill_weight: float | None = None,
@@ -364,7 +365,7 @@ def _train(
     weights_root: Path,
     min_replicas: int,
     run: Literal["new", "resume"],
-    weight_transport: Literal["stream", "directory"],
+    weight_transport: CpuTransport,
     reward_stage: bool,
     task,
     distill_weight: float | None,
@@ -424,9 +425,9 @@ def _train(
         publisher = make_publisher(
             weight_transport,
             q,
+            collective=collective if ranks > 1 else None,
             root=weights_root,
             keep=2,
-            **({"collective": collective} if ranks > 1 else {}),
         )
         trained = data_parallel.wrap(model, ranks, sharding)  # DDP's wrapper, or `model` sharded in place
         # every replica now samples from the run's current weights, and every rank's `model` holds them

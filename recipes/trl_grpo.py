@@ -26,6 +26,7 @@ import torch
 
 from maskroll.client import RolloutQueue, SyncRolloutClient
 from maskroll.integrations.trl import MaskrollConfig, MaskrollGRPOTrainer
+from maskroll.weight_sync import CpuTransport
 
 from . import digits
 from .config import GRPOConfig
@@ -68,7 +69,7 @@ def train(
     min_replicas: int = 1,
     run: Literal["new", "resume"] = "new",
     out_dir: Path | None = None,
-    weight_transport: Literal["stream", "directory"] = "stream",
+    weight_transport: CpuTransport = "stream",
     reward_stage: bool = False,
 ) -> dict | None:
     """Train against the replicas of `namespace` with MaskrollGRPOTrainer; returns grpo.train's summary.

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
         write_trained,
     )
     from .directory import CheckpointPublisher
-    from .factory import Publisher, Transport, make_publisher
+    from .factory import CpuTransport, Publisher, Transport, make_publisher
     from .lora import (
         LoraUnsupported,
         adapter_of,
@@ -64,6 +64,7 @@ _LAZY = {
     "NcclPublisher": "nccl",
     "Publisher": "factory",
     "Transport": "factory",
+    "CpuTransport": "factory",
     "make_publisher": "factory",
     "is_lora": "lora",
     "adapter_of": "lora",
@@ -81,6 +82,7 @@ _LAZY = {
 __all__ = [
     "CHECKPOINT_FILE",
     "CheckpointPublisher",
+    "CpuTransport",
     "LoraUnsupported",
     "NcclPublisher",
     "Publisher",

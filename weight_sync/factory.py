@@ -17,7 +17,9 @@ agreement, never weights to the replicas.
 
 from __future__ import annotations
 
+import enum
 import os
+import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -29,7 +31,26 @@ if TYPE_CHECKING:
     from .directory import Fleet
 
 Transport = Literal["directory", "stream", "nccl"]
-TRANSPORTS: tuple[Transport, ...] = ("directory", "stream", "nccl")
+TRANSPORTS: tuple[Transport, ...] = typing.get_args(Transport)
+# The transports that need no GPU: the ones the recipe, the TRL trainer and `maskroll demo` offer
+# (the nccl transport needs CUDA on both ends and is made with the model it sends, NcclPublisher).
+CpuTransport = Literal["stream", "directory"]
+
+
+class _Unset(enum.Enum):
+    UNSET = "unset"
+
+
+# A keyword left out of make_publisher: the publisher's own default applies. Not None, which is a value
+# of its own for some (follow_s=None: no follower thread; held=None: nothing held).
+UNSET = _Unset.UNSET
+
+# The keywords of make_publisher that belong to some transports only: any other given is refused.
+OPTIONS: dict[str, frozenset[str]] = {
+    "directory": frozenset({"keep", "require_all"}),
+    "stream": frozenset({"keep", "require_all", "follow_s", "chunk_bytes", "resume_from_base", "held"}),
+    "nccl": frozenset({"model", "master_address", "master_port", "tensor_parallel_size", "packed"}),
+}
 
 
 class Publisher(Protocol):
@@ -62,35 +83,87 @@ def make_publisher(
     *,
     collective: Any = None,
     root: str | os.PathLike | None = None,
-    keep: int = 2,
     timeout: float | None = None,
-    **options: Any,
+    keep: int | _Unset = UNSET,
+    require_all: bool | _Unset = UNSET,
+    follow_s: float | _Unset | None = UNSET,
+    chunk_bytes: int | _Unset = UNSET,
+    resume_from_base: bool | _Unset = UNSET,
+    held: tuple[str, int] | _Unset | None = UNSET,
+    model: torch.nn.Module | _Unset = UNSET,
+    master_address: str | _Unset = UNSET,
+    master_port: int | _Unset = UNSET,
+    tensor_parallel_size: int | _Unset = UNSET,
+    packed: bool | _Unset = UNSET,
 ) -> Publisher:
     """The publisher of `transport` for the replicas behind `queue` (a RolloutQueue; "directory" also
-    takes a `publish.Fleet`, e.g. a fixed list of replicas with no queue).
+    takes a `directory.Fleet`, e.g. a fixed list of replicas with no queue).
 
-    root: "directory": the replicas' `--weights-root` (required); "stream": the trainer's own copy of
-    each version, for resuming after a restart (None: none); "nccl": not used. keep: versions
-    kept under root. timeout: seconds each replica may take per version (default: the transport's).
-    options: the transport's own arguments — require_all ("directory", "stream"); follow_s, chunk_bytes,
-    resume_from_base ("stream": a resumed run with no copy of its version under root publishes the model
-    as a new version instead of refusing), held ("stream": the (run, version) the model holds, from an
-    earlier publisher's `held`); model, master_address, master_port, tensor_parallel_size,
-    packed ("nccl").
+    Every transport:
+        root: "directory": the replicas' `--weights-root` (required); "stream": the trainer's own copy of
+            each version, for resuming after a restart (None: none); "nccl": must be None.
+        timeout: seconds each replica may take per version (None: the transport's, 120 s for directory
+            and stream, 600 s for nccl).
+        collective: the trainer ranks' control plane (`maskroll.client.ranks.Collective`, e.g.
+            `trainer_adapter.distributed.TorchCollective()`), for a data-parallel trainer: every rank calls
+            make_publisher, start and publish, with `queue` on rank 0 and None on the others, and gets a
+            `ranked.RankedPublisher` (a plain or DDP model is published by rank 0 alone; an FSDP2 model is
+            gathered one parameter at a time by every rank). None: one process.
+    "directory" and "stream":
+        keep: versions kept under root (default 2).
+        require_all: raise WeightSyncError when any live replica failed (default True); False raises only
+            when none took the version.
+    "stream" only (StreamPublisher):
+        follow_s: seconds between the follower's rounds, which push the current version to replicas that
+            joined since (default 5.0; None: no follower thread).
+        chunk_bytes: bytes per PushWeights message (default 4 MiB; under the replicas'
+            --max-message-bytes).
+        resume_from_base: a resumed run with no copy of its version under root publishes the model as a
+            new version instead of refusing (default False).
+        held: the (run id, version) the model already holds, from an earlier publisher's `held`.
+    "nccl" only (NcclPublisher; required: model, master_address, master_port):
+        model: the module whose parameters are sent (NCCL reads them in place).
+        master_address, master_port: the NCCL group's rendezvous, reachable by every replica.
+        tensor_parallel_size: each replica's vLLM workers (ranks per replica; default 1).
+        packed: vLLM's packed broadcast (default True).
 
-    collective: the trainer ranks' control plane (`maskroll.client.ranks.Collective`, e.g.
-    `trainer_adapter.distributed.TorchCollective()`), for a data-parallel trainer: every rank calls
-    make_publisher, start and publish, with `queue` on rank 0 and None on the others, and gets a
-    `ranked.RankedPublisher` (a plain or DDP model is published by rank 0 alone; an FSDP2 model is
-    gathered one parameter at a time by every rank). None: one process, as before."""
+    A keyword that does not apply to `transport` raises ValueError naming it and the transport."""
     if transport not in TRANSPORTS:
         # "collective": the NCCL transport's name before it was "nccl" (collective= is the ranks' plane)
         was = " (the NCCL transport is 'nccl')" if transport == "collective" else ""
         raise ValueError(f"transport={transport!r}; expected one of {', '.join(map(repr, TRANSPORTS))}{was}")
+    given = {
+        name: value
+        for name, value in (
+            ("keep", keep),
+            ("require_all", require_all),
+            ("follow_s", follow_s),
+            ("chunk_bytes", chunk_bytes),
+            ("resume_from_base", resume_from_base),
+            ("held", held),
+            ("model", model),
+            ("master_address", master_address),
+            ("master_port", master_port),
+            ("tensor_parallel_size", tensor_parallel_size),
+            ("packed", packed),
+        )
+        if value is not UNSET
+    }
+    foreign = sorted(set(given) - OPTIONS[transport])
+    if foreign:
+        owners = {name: [t for t, names in OPTIONS.items() if name in names] for name in foreign}
+        detail = "; ".join(f"{name}: {' / '.join(ts)} only" for name, ts in owners.items())
+        raise ValueError(f"transport {transport!r} takes no {', '.join(foreign)} ({detail})")
     if transport == "directory" and root is None:
         raise ValueError("transport 'directory' needs root: the directory the replicas use as --weights-root")
     if transport == "nccl" and root is not None:
         raise ValueError("transport 'nccl' keeps no copy of the weights: root must be None")
+    if transport == "nccl":
+        missing = [name for name in ("model", "master_address", "master_port") if name not in given]
+        if missing:
+            raise ValueError(f"transport 'nccl' needs {', '.join(missing)}")
+    if timeout is not None:
+        given["timeout"] = timeout
     if collective is not None:
         from .ranked import RankedPublisher
 
@@ -99,9 +172,7 @@ def make_publisher(
 
             if queue is not None:
                 raise ValueError(f"rank {collective.rank}: only rank 0 holds the queue; pass queue=None")
-            if timeout is not None:
-                options["timeout"] = timeout
-            inner = NcclPublisher(None, rank=collective.rank, **options)
+            inner = NcclPublisher(None, rank=collective.rank, **given)
             return RankedPublisher(inner, collective, transport)
         if collective.rank != 0:
             if queue is not None:
@@ -112,20 +183,22 @@ def make_publisher(
             return RankedPublisher(None, collective, transport)
         if queue is None:
             raise ValueError("rank 0 publishes through the queue's replicas: pass its queue")
-        inner = make_publisher(transport, queue, root=root, keep=keep, timeout=timeout, **options)
-        return RankedPublisher(inner, collective, transport)
+        return RankedPublisher(_make(transport, queue, root, given), collective, transport)
     if queue is None:
         raise ValueError(f"make_publisher({transport!r}) needs the queue whose replicas it publishes to")
-    if timeout is not None:
-        options["timeout"] = timeout
+    return _make(transport, queue, root, given)
+
+
+def _make(transport: Transport, queue, root, options: dict[str, Any]) -> Publisher:
+    """One process's publisher (rank 0's, for several): `options` checked by make_publisher."""
     if transport == "directory":
         from .directory import CheckpointPublisher
 
-        return CheckpointPublisher(queue, root, keep=keep, **options)
+        return CheckpointPublisher(queue, root, **options)
     if transport == "stream":
         from .stream import StreamPublisher
 
-        return StreamPublisher(queue, save_root=root, keep=keep, **options)
+        return StreamPublisher(queue, save_root=root, **options)
     from .nccl import NcclPublisher
 
     return NcclPublisher(queue, **options)

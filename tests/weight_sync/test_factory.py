@@ -6,6 +6,7 @@ against real replicas: tests/weights/ and tests/queue/test_run_lifecycle.py."""
 from __future__ import annotations
 
 import inspect
+import typing
 
 import pytest
 import torch
@@ -13,12 +14,14 @@ import torch
 from maskroll.client import RunInfo
 from maskroll.weight_sync import (
     CheckpointPublisher,
+    CpuTransport,
     NcclPublisher,
     Publisher,
     StreamPublisher,
     broadcast,
     make_publisher,
 )
+from maskroll.weight_sync.factory import OPTIONS, TRANSPORTS
 
 
 class _Queue:
@@ -52,6 +55,41 @@ def test_the_factory_refuses_what_a_transport_cannot_use(tmp_path):
     # the NCCL transport's old name is refused with its new one (collective= is the ranks' control plane)
     with pytest.raises(ValueError, match=r"transport='collective'; .* \(the NCCL transport is 'nccl'\)"):
         make_publisher("collective", _Queue(), model=None, master_address="h", master_port=1)
+
+
+def test_a_keyword_of_another_transport_is_refused_naming_it_and_the_transport(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"^transport 'directory' takes no follow_s \(follow_s: stream only\)$"
+    ):
+        make_publisher("directory", _Queue(), root=tmp_path, follow_s=None)  # None is a value: no follower
+    with pytest.raises(ValueError, match=r"^transport 'stream' takes no model, packed \(model: nccl only; "):
+        make_publisher("stream", _Queue(), model=torch.nn.Linear(2, 2), packed=False)
+    with pytest.raises(ValueError, match=r"transport 'nccl' takes no keep \(keep: directory / stream only\)"):
+        make_publisher("nccl", _Queue(), keep=2, model=None, master_address="h", master_port=1)
+    with pytest.raises(ValueError, match=r"^transport 'nccl' needs master_address, master_port$"):
+        make_publisher("nccl", _Queue(), model=torch.nn.Linear(2, 2))
+    # held=None and follow_s=None are values the stream takes, not "left out"
+    pub = make_publisher(
+        "stream", _Queue(), follow_s=None, held=None, resume_from_base=True, require_all=False
+    )
+    assert (pub.held, pub.resume_from_base, pub.require_all, pub._follower) == (None, True, False, None)
+
+
+def test_every_keyword_of_the_factory_belongs_to_a_publisher_that_takes_it():
+    params = inspect.signature(make_publisher).parameters
+    own = {"transport", "queue", "collective", "root", "timeout"}
+    inits = {
+        "directory": CheckpointPublisher.__init__,
+        "stream": StreamPublisher.__init__,
+        "nccl": NcclPublisher.__init__,
+    }
+    assert set(OPTIONS) == set(TRANSPORTS) == set(inits)
+    assert set(params) - own == set().union(*OPTIONS.values())
+    for transport, names in OPTIONS.items():
+        taken = set(inspect.signature(inits[transport]).parameters)
+        assert names <= taken, (transport, names - taken)
+    assert typing.get_args(CpuTransport) == ("stream", "directory")  # the recipes' choices, in --help order
+    assert set(typing.get_args(CpuTransport)) < set(TRANSPORTS)
 
 
 @pytest.mark.parametrize("cls", [CheckpointPublisher, StreamPublisher, NcclPublisher])
