@@ -14,7 +14,7 @@ to drain_timeout_s (streams then end with finish_reason "abort"; unfinished jobs
 for another replica), then the engine closes.
 
 With `--lora-namespaces` the replica serves several namespaces (several LoRA runs on its base,
-docs/lora.md "Several runs, one fleet"): a lane each (lanes.py) — its own puller (sharing
+docs/lora.md "Several runs, one fleet"): a `ServedNamespace` each (namespaces.py) — its own puller (sharing
 pull_concurrency through pull/slots.py), registry heartbeat and join, all joined in parallel; it is
 ready once every namespace has joined (or its join gave up).
 """
@@ -39,16 +39,15 @@ from maskroll.proto.heartbeat import encode_heartbeat
 from maskroll.proto.run_record import RunRecordError
 from maskroll.proto.streams import StreamKeys
 
-from . import activity
-from . import lanes as lanes_
+from . import activity, namespaces
 from .activity import log_activity
 from .auth import BearerTokenInterceptor, server_credentials
 from .config import ConfigError, ServerConfig
 from .core import ReplicaCore
 from .engines.contract import Engine
 from .grpc_api.servicer import RolloutServicer, add_raw_handlers
-from .lanes import Lane
 from .metrics import Metrics
+from .namespaces import ServedNamespace
 from .pull.jobs import JobRunner
 from .pull.publisher import RolloutPublisher
 from .pull.puller import PromptPuller
@@ -90,8 +89,8 @@ class Replica:
     _httpd: object | None = None
     _drained: bool = False
     redis: object | None = None  # redis.asyncio.Redis (or RedisCluster) when redis_url is set
-    # the namespaces served when redis_url is set (lanes.py): --namespace first, then --lora-namespaces
-    lanes: list[Lane] = field(default_factory=list)
+    # the namespaces served when redis_url is set (namespaces.py): --namespace first, then --lora-namespaces
+    namespaces: list[ServedNamespace] = field(default_factory=list)
     _health_task: asyncio.Task | None = None
     http: object | None = None  # http_server.HttpFrontEnd when http_port is set
     _activity_task: asyncio.Task | None = None  # the periodic activity line (activity.py)
@@ -102,15 +101,15 @@ class Replica:
     @property
     def keys(self) -> StreamKeys | None:
         """--namespace's key layout (partitions, cluster) when redis_url is set."""
-        return self.lanes[0].keys if self.lanes else None
+        return self.namespaces[0].keys if self.namespaces else None
 
     @property
     def puller(self) -> PromptPuller | None:
         """--namespace's puller (pull mode)."""
-        return self.lanes[0].puller if self.lanes else None
+        return self.namespaces[0].puller if self.namespaces else None
 
-    def _lane_tasks(self) -> list[asyncio.Task]:
-        return [t for lane in self.lanes for t in (lane.join_task, lane.announce_task) if t is not None]
+    def _namespace_tasks(self) -> list[asyncio.Task]:
+        return [t for ns in self.namespaces for t in (ns.join_task, ns.announce_task) if t is not None]
 
     def abort_all(self) -> None:
         """End every in-flight request of both front ends now (a second SIGTERM)."""
@@ -130,28 +129,28 @@ class Replica:
         self._drained = True
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         await self.health.enter_graceful_shutdown()  # NOT_SERVING for every service, permanently
-        for task in (self._health_task, self._activity_task, *self._lane_tasks()):
+        for task in (self._health_task, self._activity_task, *self._namespace_tasks()):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        for lane in self.lanes:
-            if lane.announce_task is not None:  # out of the registry: trainers stop pushing to it
+        for ns in self.namespaces:
+            if ns.announce_task is not None:  # out of the registry: trainers stop pushing to it
                 with contextlib.suppress(Exception):
-                    await self.redis.delete(lane.keys.replica(self.config.replica_id))
+                    await self.redis.delete(ns.keys.replica(self.config.replica_id))
         # Both front ends refuse new work from now on (one running set); what runs has timeout_s.
         self.core.running.begin_drain()
         started = asyncio.get_running_loop().time()
-        pulling = [lane for lane in self.lanes if lane.puller is not None]
+        pulling = [ns for ns in self.namespaces if ns.puller is not None]
         if pulling:
-            for lane in pulling:  # every namespace stops taking jobs at once, then all drain together
-                lane.puller.stop()
-            left = sum(await asyncio.gather(*(lane.puller.drain(timeout_s) for lane in pulling)))
+            for ns in pulling:  # every namespace stops taking jobs at once, then all drain together
+                ns.puller.stop()
+            left = sum(await asyncio.gather(*(ns.puller.drain(timeout_s) for ns in pulling)))
             if left:
                 log.warning("drain: %d jobs unfinished; left pending in Redis for another replica", left)
-            for lane in pulling:
-                if lane.puller_task is not None:  # None: the namespace never joined its run
-                    await asyncio.gather(lane.puller_task, return_exceptions=True)
-                await lane.puller.unregister()
+            for ns in pulling:
+                if ns.puller_task is not None:  # None: the namespace never joined its run
+                    await asyncio.gather(ns.puller_task, return_exceptions=True)
+                await ns.puller.unregister()
             timeout_s = max(0.0, timeout_s - (asyncio.get_running_loop().time() - started))
         if self.reward_worker is not None:  # what it is scoring finishes, or stays pending for another
             self.reward_worker.stop()
@@ -202,8 +201,8 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
     until the replica has joined its training run (server/weights/join.py), and Generate is refused
     (UNAVAILABLE) until then: a joining replica must not sample from the weights it started with."""
     metrics = Metrics()
-    redis, lanes = await _queue(config, metrics)
-    publisher = lanes[0].publisher if lanes else None  # --namespace's: Generate's and HTTP's records
+    redis, served = await _queue(config, metrics)
+    publisher = served[0].publisher if served else None  # --namespace's: Generate's and HTTP's records
     try:
         core = ReplicaCore(engine, config, metrics, publisher)
         core.not_ready = STARTING
@@ -238,17 +237,17 @@ async def _serve_engine(config: ServerConfig, engine: Engine, owns_engine: bool)
         owns_engine=owns_engine,
         _httpd=httpd,
         redis=redis,
-        lanes=lanes,
+        namespaces=served,
     )
     if config.pull:
         # several namespaces share pull_concurrency (taken in turn); one keeps its own, as it always had
-        slots = JobSlots(config.pull_concurrency) if len(lanes) > 1 else None
-        for lane in lanes:
-            lane.puller = _puller(config, engine, redis, lane, port, core, slots)
+        slots = JobSlots(config.pull_concurrency) if len(served) > 1 else None
+        for ns in served:
+            ns.puller = _puller(config, engine, redis, ns, port, core, slots)
     else:  # publishes records: trainers must find it
-        for lane in lanes:
-            name = f"registry-heartbeat-{lane.namespace}"
-            lane.announce_task = asyncio.create_task(_announce(replica, lane), name=name)
+        for ns in served:
+            name = f"registry-heartbeat-{ns.namespace}"
+            ns.announce_task = asyncio.create_task(_announce(replica, ns), name=name)
     if config.reward:  # needs no weights: it scores from the first record on
         replica.reward_worker = _reward_worker(config, redis, publisher.keys)
         replica._reward_task = asyncio.create_task(replica.reward_worker.supervise(), name="reward-stage")
@@ -305,58 +304,58 @@ async def _tokenizer_fingerprint(config: ServerConfig) -> str:
 async def _join_all(replica: Replica) -> None:
     """Join every namespace's run, all at once (a streamed run waits for its trainer's push: those waits
     overlap); a namespace whose run record is invalid keeps retrying in the background."""
-    if not replica.lanes:  # no Redis: no run to join
+    if not replica.namespaces:  # no Redis: no run to join
         replica.core.not_ready = None
         return
-    for lane in replica.lanes:
-        lane.not_ready = STARTING
-    joined = await asyncio.gather(*(_join(replica, lane) for lane in replica.lanes))
-    for lane, ok in zip(replica.lanes, joined, strict=True):
+    for ns in replica.namespaces:
+        ns.not_ready = STARTING
+    joined = await asyncio.gather(*(_join(replica, ns) for ns in replica.namespaces))
+    for ns, ok in zip(replica.namespaces, joined, strict=True):
         if not ok:
-            lane.join_task = asyncio.create_task(_rejoin(replica, lane), name=f"join-run-{lane.namespace}")
+            ns.join_task = asyncio.create_task(_rejoin(replica, ns), name=f"join-run-{ns.namespace}")
 
 
-async def _join(replica: Replica, lane: Lane) -> bool:
+async def _join(replica: Replica, ns: ServedNamespace) -> bool:
     """Join the namespace's run (the run's current weights, or its adapter, before the first job or
     request); then serve it. False, with the reason where health checks and refused requests show it,
     when the run record is invalid: the replica then stays NOT_SERVING rather than serve outside the run
     or crash (every replica of the namespace would, in a loop)."""
     try:
-        await join_current_version(replica, lane)
+        await join_current_version(replica, ns)
     except RunRecordError as exc:
         reason = (
             f"cannot join the training run: {exc}; NOT_SERVING until the record is valid (a trainer's "
             "run='new' rewrites it), checked every few seconds"
         )
-        if lane.not_ready != reason:
-            log.error("%s%s", reason, lane.label)
-        lane.not_ready = reason
-        replica.core.not_ready = lanes_.not_ready(replica.lanes)
+        if ns.not_ready != reason:
+            log.error("%s%s", reason, ns.label)
+        ns.not_ready = reason
+        replica.core.not_ready = namespaces.not_ready(replica.namespaces)
         return False
-    lane.not_ready = None
-    replica.core.not_ready = lanes_.not_ready(replica.lanes)
-    if lane.puller is not None and lane.puller_task is None:
-        name = "prompt-puller" if len(replica.lanes) == 1 else f"prompt-puller-{lane.namespace}"
-        lane.puller_task = asyncio.create_task(lane.puller.supervise(), name=name)
+    ns.not_ready = None
+    replica.core.not_ready = namespaces.not_ready(replica.namespaces)
+    if ns.puller is not None and ns.puller_task is None:
+        name = "prompt-puller" if len(replica.namespaces) == 1 else f"prompt-puller-{ns.namespace}"
+        ns.puller_task = asyncio.create_task(ns.puller.supervise(), name=name)
     return True
 
 
-async def _rejoin(replica: Replica, lane: Lane) -> None:
+async def _rejoin(replica: Replica, ns: ServedNamespace) -> None:
     while True:
         await asyncio.sleep(JOIN_RETRY_S)
         try:
-            if await _join(replica, lane):
-                log.info("joined the training run%s; serving", lane.label)
+            if await _join(replica, ns):
+                log.info("joined the training run%s; serving", ns.label)
                 await _refresh_health(replica)
                 return
         except Exception:  # Redis unreachable for a while, say: the next attempt retries
-            log.warning("joining the training run%s failed; retrying", lane.label, exc_info=True)
+            log.warning("joining the training run%s failed; retrying", ns.label, exc_info=True)
 
 
 async def _abandon(replica: Replica) -> None:
     """Undo a start that failed halfway: nothing may keep listening or running."""
-    pullers = [lane.puller_task for lane in replica.lanes]
-    tasks = (replica._health_task, replica._activity_task, *replica._lane_tasks(), *pullers)
+    pullers = [ns.puller_task for ns in replica.namespaces]
+    tasks = (replica._health_task, replica._activity_task, *replica._namespace_tasks(), *pullers)
     for task in (*tasks, replica._reward_task):
         if task is not None:
             task.cancel()
@@ -401,10 +400,10 @@ def problems(replica: Replica) -> list[str]:
     """Why the replica cannot serve now (empty: it can): not joined its run yet, the engine's and the
     puller's reasons."""
     found = [replica.core.not_ready, replica.engine.failure()]
-    for lane in replica.lanes:
-        if lane.puller is not None and lane.puller_task is not None:
-            failure = lane.puller.failure()
-            found.append(failure and failure + lane.label)
+    for ns in replica.namespaces:
+        if ns.puller is not None and ns.puller_task is not None:
+            failure = ns.puller.failure()
+            found.append(failure and failure + ns.label)
     return [p for p in found if p]
 
 
@@ -439,8 +438,8 @@ async def _watch_health(replica: Replica) -> None:
         await asyncio.sleep(HEALTH_PERIOD_S)
 
 
-async def _queue(config: ServerConfig, metrics: Metrics) -> tuple[object | None, list[Lane]]:
-    """(Redis client, a lane per namespace served: lanes.py) when redis_url is set, else (None, []). The
+async def _queue(config: ServerConfig, metrics: Metrics) -> tuple[object | None, list[ServedNamespace]]:
+    """(Redis client, a `ServedNamespace` each: namespaces.py) when redis_url is set, else (None, []). The
     URL may name any node of a Redis Cluster: the cluster client is used then, and the keys carry hash
     tags (StreamKeys)."""
     if config.redis is None:
@@ -449,7 +448,7 @@ async def _queue(config: ServerConfig, metrics: Metrics) -> tuple[object | None,
 
     redis, cluster = await open_redis(config.redis)
     try:
-        return redis, await lanes_.open_lanes(config, redis, cluster, metrics)
+        return redis, await namespaces.open_namespaces(config, redis, cluster, metrics)
     except BaseException:
         await redis.aclose()
         raise
@@ -491,10 +490,10 @@ def _grpc_server(
     return server, port
 
 
-def _replica_info(core: ReplicaCore, port: int, lane: Lane) -> Callable[[], dict]:
+def _replica_info(core: ReplicaCore, port: int, ns: ServedNamespace) -> Callable[[], dict]:
     """What the registry heartbeat of one namespace says of this replica besides its jobs: address,
-    model, the weights that namespace is served (its run and version: `Lane.served`), and the replica's
-    load (tokens/s since the previous heartbeat, from its own metrics)."""
+    model, the weights that namespace is served (its run and version: `ServedNamespace.weights_served`),
+    and the replica's load (tokens/s since the previous heartbeat, from its own metrics)."""
     config, engine, metrics = core.config, core.engine, core.metrics
     address = config.advertise_address or _hostport(config.host, port)
     last = [activity.snapshot(metrics)]
@@ -502,7 +501,7 @@ def _replica_info(core: ReplicaCore, port: int, lane: Lane) -> Callable[[], dict
     def info() -> dict:
         now = activity.snapshot(metrics)
         before, last[0] = last[0], now
-        run_id, version = lane.served(core)
+        run_id, version = ns.weights_served(core)
         return {
             "address": address,
             "engine": engine.name,
@@ -516,12 +515,12 @@ def _replica_info(core: ReplicaCore, port: int, lane: Lane) -> Callable[[], dict
     return info
 
 
-async def _announce(replica: Replica, lane: Lane) -> None:
+async def _announce(replica: Replica, ns: ServedNamespace) -> None:
     """The registry heartbeat (of one namespace) of a replica that publishes records without pulling jobs
     (HTTP sessions, Generate with a rollout stream): trainers find it there, push it each new version and
     count it live. A puller writes its own (with its running jobs)."""
-    config, keys = replica.config, lane.keys
-    info = _replica_info(replica.core, replica.port, lane)
+    config, keys = replica.config, ns.keys
+    info = _replica_info(replica.core, replica.port, ns)
     period = max(0.2, config.heartbeat_ttl_s / 3)
     while True:
         try:
@@ -539,23 +538,29 @@ async def _announce(replica: Replica, lane: Lane) -> None:
 
 
 def _puller(
-    config: ServerConfig, engine: Engine, redis: object, lane: Lane, port: int, core: ReplicaCore, slots
+    config: ServerConfig,
+    engine: Engine,
+    redis: object,
+    ns: ServedNamespace,
+    port: int,
+    core: ReplicaCore,
+    slots,
 ) -> PromptPuller:
     """Pull mode: consume the namespace's prompt jobs (sampled with its adapter), advertising this replica
     in the namespace's registry; `slots` (a JobSlots or None): pull_concurrency shared with the other
     namespaces' pullers."""
-    runner = JobRunner(engine, config, core.adapters, lane.namespace, pipeline=core.serving.pipeline)
+    runner = JobRunner(engine, config, core.adapters, ns.namespace, pipeline=core.serving.pipeline)
     return PromptPuller(
         redis,
-        lane.keys,
+        ns.keys,
         config.replica_id,
         runner,
-        lane.publisher,
+        ns.publisher,
         concurrency=config.pull_concurrency,
         claim_idle_s=config.claim_idle_s,
         heartbeat_ttl_s=config.heartbeat_ttl_s,
         max_deliveries=config.max_job_deliveries,
-        replica_info=_replica_info(core, port, lane),
+        replica_info=_replica_info(core, port, ns),
         slots=slots,
     )
 
@@ -585,10 +590,10 @@ def ready_line(r: Replica) -> str:
     metrics = f"http://{_hostport(r.config.host, r.metrics_port)}/metrics" if r.metrics_port else "off"
     tls = "tls" if r.config.tls_cert else "plaintext"
     auth = "token" if r.config.token else "no auth"
-    names = ", ".join(repr(lane.namespace) for lane in r.lanes)
+    names = ", ".join(repr(ns.namespace) for ns in r.namespaces)
     pull = ""
     if r.puller is not None:
-        pull = f"; pulling jobs from namespace{'s' if len(r.lanes) > 1 else ''} {names}"
+        pull = f"; pulling jobs from namespace{'s' if len(r.namespaces) > 1 else ''} {names}"
     if r.http is not None:
         pull += f"; http {r.http.scheme}://{_hostport(r.config.host, r.http.port)}"
     return (

@@ -1,7 +1,8 @@
-"""The requests one front end is running, for drain: the gRPC servicer and the OpenAI front end each
-keep one. Once draining, the front end refuses new work; `wait_idle` waits until the last running
-request ends; `abort_all` ends the rest now (each unfinished sample with an "abort" record). Knows
-nothing of transports.
+"""The requests a replica is running, for its one drain: the core holds one set (core.py) that every front
+end adds its requests to — gRPC's and the native JSON API's Generate calls (generation/serving.py), the
+OpenAI calls' choices (http_api/openai/serving.py) — and server/app.py drains. Once draining, every front
+end refuses new work; `wait_idle` waits until the last running request ends; `abort_all` ends the rest now
+(each unfinished sample with an "abort" record). Knows nothing of transports.
 """
 
 from __future__ import annotations

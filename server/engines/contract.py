@@ -1,11 +1,11 @@
-"""The engine contract: what the servicer needs from vLLM or the torch reference engine.
+"""The engine contract: what the replica needs from vLLM or the torch reference engine.
 
 An engine generates one sample per request and streams `EngineOutput`s: new tokens with the logprobs
 of the *processed* distribution it sampled from (temperature, then top-k, then top-p, renormalised),
 exactly K top-K entries per token sorted by rank, and the sampled token's logprob and rank separately.
 Cancelling the consumer of `generate` (CancelledError / aclose) must abort the request in the engine.
 `score` scores given completions under the same processed μ without sampling (a teacher; docs/records.md
-"Scoring"). Engines stop only on `stop_token_ids` and max_tokens / the context (the servicer decides
+"Scoring"). Engines stop only on `stop_token_ids` and max_tokens / the context (the validation decides
 which ids stop, the model's EOS included, so both engines follow one rule). Ranks follow vLLM: the number
 of tokens whose μ is at least the sampled token's (so 1 for the most likely token; ties rank it lower).
 Engines know nothing of gRPC, Redis or protobuf.
@@ -147,7 +147,7 @@ class EngineLimits:
     vocab_size: int
     max_model_len: int  # prompt + completion tokens
     max_logprobs: int  # largest K a request may ask for
-    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids; the servicer adds them as stops
+    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids; validation adds them as stops
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,13 @@ every in-flight and later request fails with EngineDead. Sampling parameters the
 μ cannot represent (a temperature so small that ℓ / T overflows) are refused up front, and checkpoints
 with non-finite tensors are refused before any weight changes.
 
-The batch's KV cache bookkeeping (merging a prefilled row in, trimming padding) is `torch_batch`'s; loading
-the model and reading and checking new weights (the weight rules of `weights.tensor_rules`) is
-`torch_weights`'s; applying LoRA adapters per row is `torch_lora`'s (a request with an adapter is sampled
-with it from its first token to its last, all its outputs at the adapter's version). The model forward
-never runs on the event loop. This module knows nothing of gRPC, Redis or protobuf.
+The batch's KV cache bookkeeping (merging a prefilled row in, trimming padding) is `torch_batch`'s; μ and
+the draw from it `torch_sampling`'s; what the two sides hand each other (a request's handle, a score job,
+an update) `torch_jobs`'; loading the model and reading and checking new weights (the weight rules of
+`weights.tensor_rules`) is `torch_weights`'s; applying LoRA adapters per row is `torch_lora`'s (a request
+with an adapter is sampled with it from its first token to its last, all its outputs at the adapter's
+version); scoring `torch_score`'s. The model forward never runs on the event loop. This module knows
+nothing of gRPC, Redis or protobuf.
 """
 
 from __future__ import annotations
@@ -34,16 +36,15 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from maskroll.trainer_adapter.processed import Workspace, processed_chunk
+from maskroll.trainer_adapter.processed import Workspace
 
-from . import torch_lora, torch_score, torch_weights
+from . import torch_lora, torch_sampling, torch_score, torch_weights
 from .contract import (
     AdapterRef,
     Engine,
@@ -53,7 +54,6 @@ from .contract import (
     EngineRequest,
     EngineSettings,
     LoraWeights,
-    SamplingParams,
     ScoreOutput,
     ScoreRequest,
     WeightCapabilities,
@@ -62,88 +62,15 @@ from .contract import (
     eos_token_ids,
 )
 from .torch_batch import Batch
+from .torch_jobs import EngineClosed, Handle, ScoreJob, Update
+from .torch_sampling import SampledToken, SamplingError, merged
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
 
-# μ is computed in float32 whatever the model's dtype (`_forward` upcasts the logits): ℓ / T must stay
-# finite for every logit a model produces. Logits beyond ±1e4 do not occur in practice, so a temperature
-# below 1e4 / float32 max (≈ 2.9e-35) is refused; a row that overflows anyway fails alone (SamplingError).
-MAX_LOGIT = 1e4
-MIN_TEMPERATURE = MAX_LOGIT / torch.finfo(torch.float32).max
 # A forward that takes longer than this means the decode loop is stuck (a hung device, a deadlock): the
 # engine declares itself dead so that health turns NOT_SERVING and an orchestrator restarts the replica.
 STALL_TIMEOUT_S = 300.0
-
-
-class EngineClosed(RuntimeError):
-    """The engine was closed while the request was in flight."""
-
-
-class SamplingError(RuntimeError):
-    """One request's next-token distribution is not a distribution (NaN or +inf logits)."""
-
-
-@dataclass(eq=False)  # identity semantics: handles live in sets
-class _Handle:
-    """One request's state, shared by the asyncio side (queue) and the decode thread (everything else)."""
-
-    request: EngineRequest
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    generator: torch.Generator
-    cached: int = 0  # this row's real tokens in the KV cache
-    next_token: int = -1  # sampled, not yet in the cache: the next decode step's input
-    generated: int = 0
-    done: bool = False  # counted out of num_active; set under the engine's lock
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
-
-    def version(self, engine_version: int) -> int:  # with an adapter: its version, whatever updates come
-        return engine_version if self.request.adapter is None else self.request.adapter.version
-
-
-@dataclass
-class _Token:
-    """One sampled token as the decode thread hands it over."""
-
-    token: int
-    logprob: float
-    rank: int
-    topk_ids: np.ndarray  # int32 [K]
-    topk_logprobs: np.ndarray  # float32 [K]
-    version: int
-    finish: str | None
-
-
-@dataclass(eq=False)  # identity semantics: jobs live in sets
-class _Score:
-    """One Score request: every completion scored on the decode thread in one go (one policy version)."""
-
-    request: ScoreRequest
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-@dataclass
-class _Update:
-    version: int
-    tensors: dict[str, Tensor]
-    call: Callable[[], None] | None = None  # instead: an adapter added or removed between two steps
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-def _merged(rows: list[_Token]) -> EngineOutput:
-    return EngineOutput(
-        token_ids=np.array([r.token for r in rows], np.int32),
-        sampled_logprobs=np.array([r.logprob for r in rows], np.float32),
-        sampled_ranks=np.array([r.rank for r in rows], np.int32),
-        topk_ids=np.stack([r.topk_ids for r in rows]),  # [t, K], also for K = 0
-        topk_logprobs=np.stack([r.topk_logprobs for r in rows]),
-        policy_version=rows[0].version,
-        finish_reason=rows[-1].finish,
-    )
 
 
 class TorchEngine(Engine):
@@ -207,18 +134,18 @@ class TorchEngine(Engine):
         self._thread: threading.Thread | None = None
         self._cv = threading.Condition()
         # Guarded by _cv: what the asyncio side hands to the decode thread.
-        self._pending: collections.deque[_Handle] = collections.deque()
-        self._cancelled: set[_Handle] = set()
-        self._updates: list[_Update] = []
-        self._scores: collections.deque[_Score] = collections.deque()
+        self._pending: collections.deque[Handle] = collections.deque()
+        self._cancelled: set[Handle] = set()
+        self._updates: list[Update] = []
+        self._scores: collections.deque[ScoreJob] = collections.deque()
         self._stopping = False
         self._num_active = 0
         self._dead: str | None = None  # why the engine serves no more; set once, never cleared
         # Every request not yet released and every update not yet answered, wherever it is (queued, in
         # the decode thread's hands, in the batch): what a dying engine must fail. Guarded by _cv.
-        self._live: set[_Handle] = set()
-        self._live_updates: list[_Update] = []
-        self._live_scores: set[_Score] = set()
+        self._live: set[Handle] = set()
+        self._live_updates: list[Update] = []
+        self._live_scores: set[ScoreJob] = set()
         self._stall_timeout_s = float(stall_timeout_s)
         # Written by the decode thread, read by failure(): when the running iteration last made progress
         # (a forward finished); None while the thread waits for work.
@@ -304,14 +231,13 @@ class TorchEngine(Engine):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         self._validate(request)
-        if self._thread is None:
-            raise RuntimeError("engine not started")
+        self._check_running(dead_too=False)  # a dead engine refuses under the lock, below
         gen = torch.Generator()
         if request.params.seed is None:
             gen.manual_seed(int(torch.randint(0, 1 << 62, (), generator=self._seeder)))
         else:
             gen.manual_seed(int(request.params.seed))
-        handle = _Handle(request, asyncio.get_running_loop(), asyncio.Queue(), gen)
+        handle = Handle(request, asyncio.get_running_loop(), asyncio.Queue(), gen)
         with self._cv:
             if self._dead is not None:
                 raise self._dead_error()
@@ -332,10 +258,10 @@ class TorchEngine(Engine):
                     raise buf[0]
                 group = [buf.popleft()]
                 # One output never spans two policy versions.
-                while buf and isinstance(buf[0], _Token) and buf[0].version == group[0].version:
+                while buf and isinstance(buf[0], SampledToken) and buf[0].version == group[0].version:
                     group.append(buf.popleft())
                 finished = group[-1].finish is not None
-                yield _merged(group)
+                yield merged(group)
                 if finished:
                     return
         finally:
@@ -346,11 +272,10 @@ class TorchEngine(Engine):
         """Scored on the decode thread between two steps (a forward per completion, like a prefill): the
         weights cannot change under it, and every completion sees the same version."""
         check_score_request(request, self._limits)
-        self._check_temperature(request.params.temperature)
-        if self._thread is None:
-            raise RuntimeError("engine not started")
+        torch_sampling.check_temperature(request.params.temperature)
+        self._check_running(dead_too=False)
         self._check_adapter(request.adapter)
-        job = _Score(request)
+        job = ScoreJob(request)
         with self._cv:
             if self._dead is not None:
                 raise self._dead_error()
@@ -361,10 +286,7 @@ class TorchEngine(Engine):
         return await asyncio.wrap_future(job.future)
 
     async def update_weights(self, version: int, checkpoint_dir: Path) -> int:
-        if self._thread is None:
-            raise RuntimeError("engine not started")
-        if self._dead is not None:
-            raise self._dead_error()
+        self._check_running()
         tensors = await asyncio.to_thread(self._read_checkpoint, checkpoint_dir)
         return await self._submit_update(version, tensors)
 
@@ -372,10 +294,7 @@ class TorchEngine(Engine):
         """update_weights for tensors already in memory (a push received by server/weights/stream.py),
         with the same checks; `label` names them in errors. The dict is consumed: its tensors become
         the checked (and cast) ones, so the update holds one copy of the weights, not two."""
-        if self._thread is None:
-            raise RuntimeError("engine not started")
-        if self._dead is not None:
-            raise self._dead_error()
+        self._check_running()
         checked = await asyncio.to_thread(self._checked, tensors, label)
         return await self._submit_update(version, checked)
 
@@ -393,7 +312,7 @@ class TorchEngine(Engine):
         await self._submit_update(-1, {}, lambda: self._remove_adapter(ref))
 
     async def _submit_update(self, version: int, tensors: dict[str, Tensor], call=None) -> int:
-        update = _Update(int(version), tensors, call)
+        update = Update(int(version), tensors, call)
         with self._cv:
             if self._dead is not None:
                 raise self._dead_error()
@@ -405,24 +324,21 @@ class TorchEngine(Engine):
     # ---- asyncio side helpers -------------------------------------------------------------------
 
     def _validate(self, request: EngineRequest) -> None:
-        """Cheap checks that keep a bad request from failing inside the shared batch (the servicer has
+        """Cheap checks that keep a bad request from failing inside the shared batch (the pipeline has
         already validated; this is the engine's own guard)."""
         check_request(request, self._limits)
-        self._check_temperature(request.params.temperature)
+        torch_sampling.check_temperature(request.params.temperature)
         self._check_adapter(request.adapter)
 
     def _check_adapter(self, ref: AdapterRef | None) -> None:
         if ref is not None and self._lora is not None:  # not started: the caller says so next
             self._lora.check(ref)
 
-    @staticmethod
-    def _check_temperature(t: float) -> None:
-        if t < MIN_TEMPERATURE:
-            raise ValueError(
-                f"temperature must be >= {MIN_TEMPERATURE:.3g} for the torch engine, got {t:g}: it computes "
-                f"the processed logits ℓ / T in float32, where a smaller T overflows for logits up to "
-                f"±{MAX_LOGIT:g}"
-            )
+    def _check_running(self, dead_too: bool = True) -> None:
+        if self._thread is None:
+            raise RuntimeError("engine not started")
+        if dead_too and self._dead is not None:
+            raise self._dead_error()
 
     def _dead_error(self) -> EngineDead:
         return EngineDead(f"the torch engine is out of service ({self._dead}); restart the replica")
@@ -448,7 +364,7 @@ class TorchEngine(Engine):
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 job.future.set_exception(err)
 
-    def _abort(self, handle: _Handle) -> None:
+    def _abort(self, handle: Handle) -> None:
         with self._cv:
             if handle in self._pending:
                 self._pending.remove(handle)
@@ -526,7 +442,7 @@ class TorchEngine(Engine):
         for handle in self._batch.clear():
             self._finish(handle, exc)
 
-    def _apply_update(self, update: _Update) -> None:
+    def _apply_update(self, update: Update) -> None:
         if update.call is not None:  # an adapter added or removed: its failure is its own
             if update.future.set_running_or_notify_cancel():  # False: the caller went away first
                 try:
@@ -569,29 +485,15 @@ class TorchEngine(Engine):
             self._fail_batch(exc)
         self._lora.remove(ref)
 
-    def _score(self, job: _Score) -> None:
+    def _score(self, job: ScoreJob) -> None:
         """Score one request (torch_score); its failure is its own, the engine serves on."""
         try:
             if job.future.cancelled():  # the caller went away before its turn
                 return
-            r, p = job.request, job.request.params
-            rows = []
-            for c in r.completions:
-                with self._lora.rows([r.adapter]):
-                    rows.append(
-                        torch_score.score_completion(
-                            self._model,
-                            r.prompt_ids,
-                            c,
-                            temperature=p.temperature,
-                            top_k=p.top_k,
-                            top_p=p.top_p,
-                            k=p.logprobs_k,
-                            work=self._score_work,
-                        )
-                    )
-                self.forward_calls += 1
-                self._beat = time.monotonic()
+            r = job.request
+            rows = torch_score.score_request(
+                self._model, r, self._lora.rows, self._score_work, self._forwarded
+            )
             version = self._version if r.adapter is None else r.adapter.version
             out = ScoreOutput(*(list(a) for a in zip(*rows, strict=True)), policy_version=version)
             with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled meanwhile
@@ -604,15 +506,18 @@ class TorchEngine(Engine):
             with self._cv:
                 self._live_scores.discard(job)
 
-    def _forward(self, *, rows: list[_Handle], **kwargs) -> Tensor:  # [B, V] float32 logits, last positions
+    def _forward(self, *, rows: list[Handle], **kwargs) -> Tensor:  # [B, V] float32 logits, last positions
         cache = kwargs.pop("cache")
         with self._lora.rows([h.request.adapter for h in rows]):  # each row with its own adapter
             out = self._model(**kwargs, **{self._cache_kw: cache}, use_cache=True)
-        self.forward_calls += 1
-        self._beat = time.monotonic()
+        self._forwarded()
         return out.logits[:, -1, :].float()
 
-    def _admit(self, handle: _Handle) -> None:
+    def _forwarded(self) -> None:  # after each forward: counted, and the loop is not stuck
+        self.forward_calls += 1
+        self._beat = time.monotonic()
+
+    def _admit(self, handle: Handle) -> None:
         """Prefill alone (no padding, so no fully-masked query rows), sample the first token, then merge
         the row's KV into the batch cache by left-padding whichever side is shorter."""
         try:
@@ -621,7 +526,7 @@ class TorchEngine(Engine):
             log.warning("torch engine: request %s failed at admission: %r", handle.request.request_id, exc)
             self._finish(handle, exc)
 
-    def _admit_one(self, handle: _Handle) -> None:
+    def _admit_one(self, handle: Handle) -> None:
         from transformers import DynamicCache
 
         prompt = np.asarray(handle.request.prompt_ids, np.int64)
@@ -651,7 +556,7 @@ class TorchEngine(Engine):
         if finished:
             self._drop(finished)
 
-    def _emit(self, rows: list[_Handle], logits: Tensor) -> set[_Handle]:
+    def _emit(self, rows: list[Handle], logits: Tensor) -> set[Handle]:
         """Sample each row from μ = log_softmax(processed(logits)), deliver the token, and return the rows
         that finished (or failed). Rows are grouped by (top_k, top_p) because processed_chunk takes them
         as scalars; every operation is per row, so grouping does not change a row's numbers. A group that
@@ -659,7 +564,7 @@ class TorchEngine(Engine):
         groups: dict[tuple[int, float], list[int]] = {}
         for i, h in enumerate(rows):
             groups.setdefault((h.params.top_k, h.params.top_p), []).append(i)
-        finished: set[_Handle] = set()
+        finished: set[Handle] = set()
         for (top_k, top_p), idx in groups.items():
             try:
                 finished |= self._sample(rows, idx, logits, top_k, top_p)
@@ -675,26 +580,21 @@ class TorchEngine(Engine):
                     self._fail_row(rows[i], exc, finished)
         return finished
 
-    def _fail_row(self, handle: _Handle, exc: Exception, finished: set[_Handle]) -> None:
+    def _fail_row(self, handle: Handle, exc: Exception, finished: set[Handle]) -> None:
         log.warning("torch engine: request %s failed while sampling: %r", handle.request.request_id, exc)
         self._finish(handle, exc)
         finished.add(handle)
 
     def _sample(
-        self, rows: list[_Handle], idx: list[int], logits: Tensor, top_k: int, top_p: float
-    ) -> set[_Handle]:
+        self, rows: list[Handle], idx: list[int], logits: Tensor, top_k: int, top_p: float
+    ) -> set[Handle]:
         """Sample rows `idx` (one (top_k, top_p) group) and deliver their tokens; returns the rows that
         finished or failed. Nothing of a row's state changes before every tensor operation succeeded, so
         a group that raises can be sampled again row by row (those rows then draw again from their
         generators: after a failure a seeded row's tokens may differ from a run without it)."""
-        sub = logits[idx]  # [c, V]
-        temp = torch.tensor([rows[i].params.temperature for i in idx], dtype=torch.float64)  # [c]
-        x = processed_chunk(sub, temp.to(sub.device), top_k, top_p, self._work)  # [c, V], reused buffer
-        mu = x.log_softmax(dim=-1)  # [c, V]
-        # A valid row's largest log μ is finite (≥ -log V); NaN or +inf logits make it NaN (amax
-        # propagates NaN). Such a row fails alone instead of multinomial failing the whole group.
-        ok = torch.isfinite(mu.amax(dim=-1)).tolist()  # [c]
-        finished: set[_Handle] = set()
+        temps = [rows[i].params.temperature for i in idx]
+        mu, ok = torch_sampling.processed_mu(logits[idx], temps, top_k, top_p, self._work)  # [c, V]
+        finished: set[Handle] = set()
         for j, i in enumerate(idx):
             if not ok[j]:
                 h = rows[i]
@@ -712,34 +612,25 @@ class TorchEngine(Engine):
             return finished
         if len(good) < len(idx):
             idx, mu = [idx[j] for j in good], mu[good]
-        probs = mu.exp()
-        tokens = torch.cat(
-            [torch.multinomial(probs[j], 1, generator=rows[i].generator) for j, i in enumerate(idx)]
-        )  # [c]
-        sampled = mu.gather(1, tokens[:, None])  # [c, 1]
-        ranks = (mu >= sampled).sum(dim=1)  # [c], vLLM's convention: ties rank the sampled token lower
         kmax = max(rows[i].params.logprobs_k for i in idx)
-        top = mu.topk(kmax, dim=-1, sorted=True)  # [c, kmax]
-        top_ids = top.indices.to(torch.int32).cpu().numpy()
-        top_lp = top.values.cpu().numpy()
-        tokens_l, sampled_l, ranks_l = tokens.tolist(), sampled[:, 0].tolist(), ranks.tolist()
+        d = torch_sampling.draw(mu, [rows[i].generator for i in idx], kmax)
         # Delivery: plain Python, after every tensor operation succeeded.
         for j, i in enumerate(idx):
             h = rows[i]
             k = h.params.logprobs_k
             h.generated += 1
-            h.next_token = tokens_l[j]
+            h.next_token = d.tokens[j]
             finish = None
-            if tokens_l[j] in h.params.stop_token_ids:
+            if d.tokens[j] in h.params.stop_token_ids:
                 finish = "stop"
             elif h.generated >= h.params.max_tokens or h.cached + 1 >= self._limits.max_model_len:
                 finish = "length"  # cached + 1 = prompt + completion tokens so far
-            tok = _Token(
-                tokens_l[j],
-                sampled_l[j],
-                ranks_l[j],
-                top_ids[j, :k].copy(),
-                top_lp[j, :k].copy(),
+            tok = SampledToken(
+                d.tokens[j],
+                d.logprobs[j],
+                d.ranks[j],
+                d.topk_ids[j, :k].copy(),
+                d.topk_logprobs[j, :k].copy(),
                 h.version(self._version),
                 finish,
             )
@@ -750,11 +641,11 @@ class TorchEngine(Engine):
                 self._deliver(h, tok)
         return finished
 
-    def _finish(self, handle: _Handle, last: _Token | BaseException) -> None:
+    def _finish(self, handle: Handle, last: SampledToken | BaseException) -> None:
         self._release([handle])  # before delivering: once the consumer sees the end, num_active is down
         self._deliver(handle, last)
 
-    def _release(self, handles: list[_Handle]) -> None:
+    def _release(self, handles: list[Handle]) -> None:
         """Count requests out of num_active exactly once (finish, cancel or failure)."""
         with self._cv:
             for h in handles:
@@ -763,7 +654,7 @@ class TorchEngine(Engine):
                     self._num_active -= 1
                     self._live.discard(h)
 
-    def _drop(self, handles: set[_Handle]) -> None:
+    def _drop(self, handles: set[Handle]) -> None:
         """Remove rows from the batch (counted out of num_active first) and trim its padding."""
         gone = [h for h in self._batch.rows if h in handles]
         if gone:
@@ -771,7 +662,7 @@ class TorchEngine(Engine):
             self._batch.remove(handles)
 
     @staticmethod
-    def _deliver(handle: _Handle, item: _Token | BaseException) -> None:
+    def _deliver(handle: Handle, item: SampledToken | BaseException) -> None:
         # RuntimeError: the consumer's event loop is closed, so nobody is left to read it.
         with contextlib.suppress(RuntimeError):
             handle.loop.call_soon_threadsafe(handle.queue.put_nowait, item)

@@ -1,7 +1,7 @@
 """The torch engine's Score: given tokens scored under the processed distribution μ, a forward per completion.
 
 μ = log_softmax(processed_chunk(ℓ, T, top_k, top_p)) (docs/math.md §6), the very operations the engine's
-sampler runs on a decode step's logits (`torch_engine.TorchEngine._sample`): so the score of a token the
+sampler runs on a decode step's logits (`torch_sampling`): so the score of a token the
 engine sampled is the record's logprob, rank and top-K up to the float rounding of a full forward against
 a cached decode. The rank is the sampler's too: the number of tokens whose μ is at least the given one's.
 
@@ -11,10 +11,15 @@ weights are the decode thread's). Knows nothing of requests, queues or transport
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from maskroll.trainer_adapter.processed import Workspace, processed_chunk
+
+from .contract import ScoreRequest
 
 Tensor = torch.Tensor
 
@@ -91,3 +96,33 @@ def score_completion(
         raise RuntimeError("the next-token distribution is not finite (NaN or +inf logits)")
     targets = torch.as_tensor(np.asarray(completion, np.int64))
     return score_logits(logits, targets, temperature=temperature, top_k=top_k, top_p=top_p, k=k, work=work)
+
+
+def score_request(
+    model: torch.nn.Module,
+    request: ScoreRequest,
+    adapter_rows: Callable[[list], contextlib.AbstractContextManager],
+    work: Workspace,
+    forwarded: Callable[[], None],
+) -> list[tuple[np.ndarray, ...]]:
+    """Every completion of `request` scored (`score_completion`), each forward under the request's adapter
+    (`adapter_rows([adapter])`: the engine's LoRA hooks for a batch of that one row), `forwarded()` called
+    after each one (the engine counts forwards and watches for a stuck loop)."""
+    p = request.params
+    rows = []
+    for completion in request.completions:
+        with adapter_rows([request.adapter]):
+            rows.append(
+                score_completion(
+                    model,
+                    request.prompt_ids,
+                    completion,
+                    temperature=p.temperature,
+                    top_k=p.top_k,
+                    top_p=p.top_p,
+                    k=p.logprobs_k,
+                    work=work,
+                )
+            )
+        forwarded()
+    return rows

@@ -49,10 +49,10 @@ from .vllm_args import base_engine_args, convert_vllm_args, default_cache_env, e
 from .vllm_lora import ResidentAdapters, lora_linear_suffixes, write_peft_dir
 from .vllm_outputs import (
     finish_reason,
+    live_version_starts,
     logprob_arrays,
     prompt_logprob_arrays,
-    split_by_version,
-    token_versions,
+    versioned_outputs,
 )
 
 # vLLM treats temperature < 1e-5 as greedy and then returns *unscaled* logprobs (v1/sample/sampler.py
@@ -124,44 +124,6 @@ def engine_args(
     )
     extra = parse_vllm_args(config.vllm_args)
     return AsyncEngineArgs(**{**args, **extra}), sorted(extra)
-
-
-def check_checkpoint(
-    checkpoint: checkpoints.Checkpoint | Path, reference_dir: Path, *, dtype: str | None = None
-) -> None:
-    """Refuse a checkpoint that breaks the weight rules (`tensor_rules`: names, shapes, dtypes against the
-    served model's files in `reference_dir`, finite values once cast to `dtype`, the engine's; None: as
-    stored). Reads the files `weights` checked (no symlink followed, same inodes).
-
-    vLLM reloads layer by layer into the live model (model_executor/model_loader/reload/inplace.py);
-    a mismatch found there leaves the replica half-updated, so it is caught here, before pausing."""
-    checkpoint = checkpoints.checkpoint_of(checkpoint)
-    with checkpoints.open_checked(checkpoint) as opened:
-        paths = [(str(f.real), checkpoints.fd_path(fd, f.real)) for f, fd in opened]
-        new = tensor_rules.file_layouts(paths, check_finite=True, served_dtype=dtype)
-    if not new:
-        raise FileNotFoundError(f"no tensors in {checkpoint}")
-    m = tensor_rules.compare(new, tensor_rules.directory_layouts(reference_dir))
-    if m:
-        kinds = f", wrong dtype (floating point or not) {m.wrong_dtype[:5]}" if m.wrong_dtype else ""
-        raise ValueError(
-            f"checkpoint {checkpoint} does not match the served model: missing {m.missing[:5]}, "
-            f"unexpected {m.unexpected[:5]}, wrong shape {m.wrong_shape[:5]}{kinds}"
-        )
-
-
-def _live_version_starts(llm: Any, request_id: str) -> list[tuple[str, int]] | None:
-    """Shim: the (version, first token index) spans vLLM has recorded so far for a running request.
-
-    vLLM 0.32 stamps each engine step with the weight version (v1/engine/core.py
-    _attach_weight_version) and the output processor records per-request spans
-    (v1/engine/output_processor.py RequestState.track_weight_version), but a DELTA RequestOutput
-    exposes them only on its final output (outputs.py CompletionOutput.weight_versions). Intermediate
-    deltas read the live spans; None once the request has left the output processor."""
-    op = llm.output_processor
-    internal = op.external_req_ids.get(request_id)
-    state = op.request_states.get(internal[0]) if internal else None
-    return None if state is None else list(state.weight_version_starts)
 
 
 class VllmEngine(Engine):
@@ -282,6 +244,11 @@ class VllmEngine(Engine):
             return "vLLM's engine core is dead (EngineDeadError; the log above it says why)"
         return None
 
+    def _dead(self, cause: BaseException | None = None) -> EngineDead:
+        """What every call raises once the engine core is dead (`failure`, else `cause`)."""
+        reason = self.failure() or cause
+        return EngineDead(f"the vLLM engine is out of service ({reason}); restart the replica")
+
     async def close(self) -> None:
         # AsyncLLM.shutdown is synchronous (it joins the engine-core process, ~1-5 s) and cancels the
         # output-handler task, so it must run on this loop's thread.
@@ -314,7 +281,7 @@ class VllmEngine(Engine):
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         p, lim = request.params, self.limits
-        # The servicer has validated already; these are the engine's own guard, so that bad input fails
+        # The pipeline has validated already; these are the engine's own guard, so that bad input fails
         # with a ValueError naming the field rather than inside vLLM's input processor.
         check_request(request, lim)
         if not MIN_TEMPERATURE <= p.temperature <= MAX_TEMPERATURE:
@@ -340,7 +307,7 @@ class VllmEngine(Engine):
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
             )
-        except VLLMValidationError as e:  # translate at the boundary: the servicer maps ValueError
+        except VLLMValidationError as e:  # translate at the boundary: the fan-out maps ValueError
             raise ValueError(str(e)) from e
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
@@ -348,9 +315,8 @@ class VllmEngine(Engine):
 
         if self._llm is None:
             raise RuntimeError("VllmEngine.start() has not been called")
-        failure = self.failure()
-        if failure:
-            raise EngineDead(f"the vLLM engine is out of service ({failure}); restart the replica")
+        if self.failure():
+            raise self._dead()
         params = self._sampling_params(request)
         k = request.params.logprobs_k
         rid = request.request_id
@@ -377,43 +343,20 @@ class VllmEngine(Engine):
                 if c.weight_versions is not None:  # final output: spans over every token
                     starts = [(s.version, s.start) for s in c.weight_versions]
                 else:
-                    starts = _live_version_starts(self._llm, rid)
+                    starts = live_version_starts(self._llm, rid)
                 if starts is None and finish is None:
                     continue  # the request just left the output processor; its final output is next
                 if not held:
                     if finish is not None:
                         yield EngineOutput.empty(k, self._version if fixed is None else fixed, finish)
                     continue
-                # One delta and one weight version are the common case (one token per step, no update):
-                # skip the joins and the per-token version array, ~10 µs a token.
-                arrays = (
-                    held[0] if len(held) == 1 else tuple(np.concatenate(a) for a in zip(*held, strict=True))
-                )
+                outputs = versioned_outputs(held, starts, done, fixed, finish, rid)
                 held.clear()
-                total = len(arrays[0])
-                if fixed is not None:
-                    runs = [(0, total, fixed)]
-                elif not starts:
-                    raise RuntimeError(f"vLLM reported no weight version for request {rid}")
-                elif starts[-1][1] <= done:  # the last span covers every new token: one version
-                    runs = [(0, total, int(starts[-1][0]))]
-                else:
-                    runs = split_by_version(token_versions(starts, done, total))
-                for i, (a, b, version) in enumerate(runs):
-                    yield EngineOutput(
-                        token_ids=arrays[0][a:b],
-                        sampled_logprobs=arrays[1][a:b],
-                        sampled_ranks=arrays[2][a:b],
-                        topk_ids=arrays[3][a:b],
-                        topk_logprobs=arrays[4][a:b],
-                        policy_version=version,
-                        finish_reason=finish if i == len(runs) - 1 else None,
-                    )
-                done += total
+                for output in outputs:
+                    yield output
+                    done += len(output.token_ids)
         except EngineDeadError as e:
-            raise EngineDead(
-                f"the vLLM engine is out of service ({self.failure() or e}); restart the replica"
-            ) from e
+            raise self._dead(e) from e
         finally:
             self._active.discard(rid)
             # Closing vLLM's generator raises GeneratorExit inside it, which aborts the request in the
@@ -443,9 +386,8 @@ class VllmEngine(Engine):
 
         if self._llm is None:
             raise RuntimeError("VllmEngine.start() has not been called")
-        failure = self.failure()
-        if failure:
-            raise EngineDead(f"the vLLM engine is out of service ({failure}); restart the replica")
+        if self.failure():
+            raise self._dead()
         p = request.params
         check_score_request(request, self.limits)
         if p.temperature != 1.0 or p.top_k not in (0, -1) or p.top_p != 1.0:
@@ -490,9 +432,7 @@ class VllmEngine(Engine):
                 try:
                     rows = await asyncio.gather(*(one(i, c) for i, c in enumerate(request.completions)))
                 except EngineDeadError as e:
-                    raise EngineDead(
-                        f"the vLLM engine is out of service ({self.failure() or e}); restart the replica"
-                    ) from e
+                    raise self._dead(e) from e
                 if self._version == version:
                     # Under an adapter the scores are that adapter's version (as generate's tokens are).
                     label = version if request.adapter is None else request.adapter.version
@@ -564,9 +504,7 @@ class VllmEngine(Engine):
         try:
             ok = await self._llm.add_lora(request)
         except EngineDeadError as e:
-            raise EngineDead(
-                f"the vLLM engine is out of service ({self.failure() or e}); restart the replica"
-            ) from e
+            raise self._dead(e) from e
         except Exception as e:
             raise ValueError(f"vLLM refused adapter {ref.name!r}: {e}") from e
         if not ok:
@@ -620,12 +558,12 @@ class VllmEngine(Engine):
         if self._llm is None:
             raise RuntimeError("VllmEngine.start() has not been called")
         if self._llm.errored:
-            raise EngineDead(f"the vLLM engine is out of service ({self.failure()}); restart the replica")
+            raise self._dead()
         async with self._update_lock:
-            # Which versions may follow which is the servicer's rule (per run: a new run reloads at
+            # Which versions may follow which is weights/updates.py's rule (per run: a new run reloads at
             # any version); the engine only labels tokens with what it is given.
             checkpoint = checkpoints.checkpoint_of(checkpoint_dir)
-            check_checkpoint(checkpoint, self.model_dir, dtype=self.settings.dtype or None)
+            tensor_rules.check_checkpoint(checkpoint, self.model_dir, dtype=self.settings.dtype or None)
             checkpoint_dir = checkpoint.path
             in_flight = len(self._active)
             await self._llm.pause_generation(mode="keep", clear_cache=True)
@@ -678,7 +616,7 @@ class VllmEngine(Engine):
         if self._llm is None:
             raise RuntimeError("VllmEngine.start() has not been called")
         if self._llm.errored:
-            raise EngineDead(f"the vLLM engine is out of service ({self.failure()}); restart the replica")
+            raise self._dead()
         # The weight rules without `missing` (a broadcast may send a part) and without finite values.
         new = {
             t.name: tensor_rules.Layout(tuple(t.shape), tensor_rules.floating_dtype(t.dtype))

@@ -4,7 +4,9 @@
 Owns: vLLM's per-position flat logprobs → the sampled token's logprob and rank plus exactly-K top-K
 arrays sorted by rank (`logprob_arrays`); vLLM's (weight version, first token) spans → each token's
 policy version and the runs of one version an `EngineOutput` may hold (`token_versions`,
-`split_by_version`); vLLM's finish reasons → the contract's. Running the engine is `vllm_engine`'s.
+`split_by_version`), and so the contract's outputs of a request's new tokens (`versioned_outputs`; the live
+spans read off a running request, `live_version_starts`); vLLM's finish reasons → the contract's. Running
+the engine is `vllm_engine`'s.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import itertools
 from typing import Any
 
 import numpy as np
+
+from .contract import EngineOutput
 
 
 def logprob_arrays(logprobs: Any, n: int, k: int) -> tuple[np.ndarray, ...]:
@@ -79,6 +83,58 @@ def split_by_version(versions: np.ndarray) -> list[tuple[int, int, int]]:  # ver
     cuts = np.flatnonzero(np.diff(versions)) + 1
     bounds = [0, *cuts.tolist(), len(versions)]
     return [(a, b, int(versions[a])) for a, b in itertools.pairwise(bounds)]
+
+
+def versioned_outputs(
+    held: list[tuple[np.ndarray, ...]],
+    starts: list[tuple[str, int]] | None,
+    done: int,
+    fixed: int | None,
+    finish: str | None,
+    request_id: str,
+) -> list[EngineOutput]:
+    """The contract's outputs of the tokens `held` (converted deltas, each (ids, sampled, ranks, topk_ids,
+    topk_lp)) that follow the `done` tokens already emitted: one per run of one policy version, read from
+    vLLM's (version, first token) spans `starts` — or all `fixed` (an adapter's version) —, the last one
+    carrying `finish`."""
+    # One delta and one weight version are the common case (one token per step, no update): skip the
+    # joins and the per-token version array, ~10 µs a token.
+    arrays = held[0] if len(held) == 1 else tuple(np.concatenate(a) for a in zip(*held, strict=True))
+    total = len(arrays[0])
+    if fixed is not None:
+        runs = [(0, total, fixed)]
+    elif not starts:
+        raise RuntimeError(f"vLLM reported no weight version for request {request_id}")
+    elif starts[-1][1] <= done:  # the last span covers every new token: one version
+        runs = [(0, total, int(starts[-1][0]))]
+    else:
+        runs = split_by_version(token_versions(starts, done, total))
+    return [
+        EngineOutput(
+            token_ids=arrays[0][a:b],
+            sampled_logprobs=arrays[1][a:b],
+            sampled_ranks=arrays[2][a:b],
+            topk_ids=arrays[3][a:b],
+            topk_logprobs=arrays[4][a:b],
+            policy_version=version,
+            finish_reason=finish if i == len(runs) - 1 else None,
+        )
+        for i, (a, b, version) in enumerate(runs)
+    ]
+
+
+def live_version_starts(llm: Any, request_id: str) -> list[tuple[str, int]] | None:
+    """Shim: the (version, first token index) spans vLLM has recorded so far for a running request.
+
+    vLLM 0.32 stamps each engine step with the weight version (v1/engine/core.py
+    _attach_weight_version) and the output processor records per-request spans
+    (v1/engine/output_processor.py RequestState.track_weight_version), but a DELTA RequestOutput
+    exposes them only on its final output (outputs.py CompletionOutput.weight_versions). Intermediate
+    deltas read the live spans; None once the request has left the output processor."""
+    op = llm.output_processor
+    internal = op.external_req_ids.get(request_id)
+    state = op.request_states.get(internal[0]) if internal else None
+    return None if state is None else list(state.weight_version_starts)
 
 
 def finish_reason(reason: str | None) -> str | None:

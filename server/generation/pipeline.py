@@ -7,7 +7,7 @@ running when the request is aborted, ends with an "abort" record), and how strea
 into chunks (`Coalescing`: a sample's held tokens wait at most `chunk_interval_ms`; its first tokens and
 its last chunk go at once). `records()` builds no chunk at all. Callers add only their transport:
 
-- `servicer.Generate` / `GenerateStream` (gRPC): converts protobuf in and out, refuses a duplicate request
+- `serving.Serving` (a client's Generate, over gRPC or the native JSON API): refuses a duplicate request
   id in flight (ALREADY_EXISTS), tracks requests for drain, counts metrics, publishes to `rollout_stream`;
   a GenerateStream call's requests take their chunks through `push`, straight into the call's outbox.
 - `jobs.JobRunner` (pull mode): maps InvalidArgument to JobRejected, gives every run of a job its own

@@ -159,7 +159,7 @@ class PromptPuller:
         """Until stop(): read or reclaim jobs while below `concurrency`, keep heartbeats fresh."""
         await self._redis(check_layout(self.redis, self.keys))
         await self._ensure_groups()
-        beat = asyncio.create_task(self._heartbeat())
+        beat = asyncio.create_task(self.heartbeat())
         self._jobs.next_reclaim = 0.0  # a (re)start reclaims at once
         try:
             while not self._stopping.is_set():
@@ -341,8 +341,9 @@ class PromptPuller:
     async def _dead_letter(self, part: PartitionKeys, entry_id: bytes, fields: dict, reason: str) -> None:
         await dead_letter(self.redis, part, part.prompts, REPLICA_GROUP, entry_id, fields, reason)
 
-    async def _heartbeat(self) -> None:
-        """Refresh the registry key and keep running jobs' idle time below the reclaim threshold."""
+    async def heartbeat(self) -> None:
+        """Refresh the registry key and keep running jobs' idle time below the reclaim threshold, until
+        cancelled (the puller runs it; a joining replica alone, weights/join.py, to be found and pushed)."""
         period = max(0.2, min(self.heartbeat_ttl_s / 3, self._jobs.claim_idle_ms / 3000))
         while True:
             try:

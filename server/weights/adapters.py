@@ -80,7 +80,7 @@ class AdapterTable:
         if max_loras < 1 or versions_per_run < 1:
             raise ValueError(f"max_loras {max_loras} and versions_per_run {versions_per_run} must be >= 1")
         self._engine = engine
-        # The starting weights' fingerprint while they serve (the servicer sets "" once full weights
+        # The starting weights' fingerprint while they serve (weights/updates.py sets "" once full weights
         # replaced them: an adapter trained on the base would then be applied to other weights).
         self.base_fingerprint = base_fingerprint
         self.max_loras = max_loras

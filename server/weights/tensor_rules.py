@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import checkpoints
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -203,3 +205,28 @@ def check_adapter(
             problem = finite_problem(module + suffix, t, "the adapter")
             if problem is not None:
                 raise ValueError(problem)
+
+
+def check_checkpoint(
+    checkpoint: checkpoints.Checkpoint | Path, reference_dir: Path, *, dtype: str | None = None
+) -> None:
+    """Refuse a checkpoint that breaks the weight rules (names, shapes, dtypes against the served model's
+    files in `reference_dir`, finite values once cast to `dtype`, the engine's; None: as stored), before an
+    engine that loads in place pauses for it (the vLLM engine). Reads the files `checkpoints` checked (no
+    symlink followed, same inodes).
+
+    vLLM reloads layer by layer into the live model (model_executor/model_loader/reload/inplace.py);
+    a mismatch found there leaves the replica half-updated, so it is caught here, before pausing."""
+    checkpoint = checkpoints.checkpoint_of(checkpoint)
+    with checkpoints.open_checked(checkpoint) as opened:
+        paths = [(str(f.real), checkpoints.fd_path(fd, f.real)) for f, fd in opened]
+        new = file_layouts(paths, check_finite=True, served_dtype=dtype)
+    if not new:
+        raise FileNotFoundError(f"no tensors in {checkpoint}")
+    m = compare(new, directory_layouts(reference_dir))
+    if m:
+        kinds = f", wrong dtype (floating point or not) {m.wrong_dtype[:5]}" if m.wrong_dtype else ""
+        raise ValueError(
+            f"checkpoint {checkpoint} does not match the served model: missing {m.missing[:5]}, "
+            f"unexpected {m.unexpected[:5]}, wrong shape {m.wrong_shape[:5]}{kinds}"
+        )

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from maskroll.server.engines.vllm_engine import check_checkpoint
 from maskroll.server.errors import InvalidArgument, PermissionDenied
 from maskroll.server.weights import checkpoints as weights
+from maskroll.server.weights.tensor_rules import check_checkpoint
 
 
 @pytest.fixture

@@ -319,7 +319,7 @@ def test_the_replica_serves_once_every_namespace_has_joined(model_dir, redis_url
     async def main():
         replica = await start(config)
         try:
-            c, d = replica.lanes
+            c, d = replica.namespaces
             assert (c.keys, d.keys) == (keys_c, keys_d)
             assert c.puller_task is not None and d.puller_task is None  # c pulls; d waits for its run
             found = problems(replica)

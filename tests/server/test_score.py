@@ -215,13 +215,13 @@ def test_an_engine_that_cannot_score_answers_unimplemented():
     from fake_engine import FakeEngine
 
     from maskroll.server.errors import Unimplemented
-    from maskroll.server.generation import scoring, validation
+    from maskroll.server.generation import serving, validation
 
     engine = FakeEngine()
     caps = validation.Caps.of(engine.limits, max_logprobs=20, max_tokens=64, max_n=8)
     job = ScoreJob(np.array([1, 2], np.int32), (np.array([3], np.int32),), ScoreOptions(logprobs_k=2))
     with pytest.raises(Unimplemented, match="the fake engine does not score"):
-        asyncio.run(scoring.score(engine, job, caps))
+        asyncio.run(serving.score_job(engine, job, caps))
 
 
 def test_sync_client_scores_and_k_zero_keeps_the_given_token(scorer):

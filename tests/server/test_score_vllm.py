@@ -21,7 +21,7 @@ from vllm_fixtures import server_loop, vllm_engine  # noqa: F401  (fixtures)
 from maskroll.proto.scoring import ScoreJob, ScoreOptions
 from maskroll.server.engines.contract import EngineRequest, SamplingParams, ScoreRequest
 from maskroll.server.errors import InvalidArgument
-from maskroll.server.generation import scoring, validation
+from maskroll.server.generation import serving, validation
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -125,16 +125,16 @@ def test_vllm_refuses_a_mu_it_cannot_score_and_serves_the_next(server_loop, vllm
     async def main():
         for options in (ScoreOptions(logprobs_k=3, temperature=0.7), ScoreOptions(logprobs_k=3, top_k=5)):
             with pytest.raises(InvalidArgument, match="the vllm engine refused the request: temperature = "):
-                await scoring.score(vllm_engine, ScoreJob(prompt, completion, options), caps)
+                await serving.score_job(vllm_engine, ScoreJob(prompt, completion, options), caps)
         full = np.full(caps.max_model_len - 2, 7, np.int32)  # + 2 tokens = the whole context
         with pytest.raises(InvalidArgument, match="refused the request: completion_token_ids"):
-            await scoring.score(vllm_engine, ScoreJob(full, completion, ScoreOptions(logprobs_k=3)), caps)
-        return await scoring.score(
+            await serving.score_job(vllm_engine, ScoreJob(full, completion, ScoreOptions(logprobs_k=3)), caps)
+        return await serving.score_job(
             vllm_engine, ScoreJob(prompt, completion, ScoreOptions(logprobs_k=3)), caps
         )
 
     async def k_zero():  # K = 0: the given token's logprob and rank only
-        return await scoring.score(
+        return await serving.score_job(
             vllm_engine, ScoreJob(prompt, completion, ScoreOptions(logprobs_k=0)), caps
         )
 

@@ -405,9 +405,9 @@ def test_a_row_whose_distribution_is_not_finite_fails_alone(tiny_model_dir, monk
     """The guard bypassed, a temperature of 1e-40 in a shared batch makes that row's μ NaN: it ends with
     a SamplingError naming it while the other rows of the same batch run to the end (before issue 11,
     the exception killed the decode thread and every request hung)."""
-    from maskroll.server.engines import torch_engine
+    from maskroll.server.engines import torch_engine, torch_sampling
 
-    monkeypatch.setattr(torch_engine, "MIN_TEMPERATURE", 0.0)
+    monkeypatch.setattr(torch_sampling, "MIN_TEMPERATURE", 0.0)
     eng = _engine(tiny_model_dir)
 
     async def scenario():

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maskroll.server.engines.vllm_engine import check_checkpoint
 from maskroll.server.engines.vllm_outputs import logprob_arrays, split_by_version, token_versions
+from maskroll.server.weights.tensor_rules import check_checkpoint
 
 
 @dataclass

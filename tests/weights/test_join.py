@@ -70,17 +70,17 @@ def test_a_replica_started_mid_run_loads_the_recorded_checkpoint_before_taking_j
 def test_a_replica_started_after_an_nccl_broadcast_starts_on_its_own_weights_and_says_why(
     loop, model_dir, redis_url, caplog
 ):
-    """CollectivePublisher records "collective" (RolloutQueue.record_version): the NCCL group cannot
+    """NcclPublisher records NCCL_CHECKPOINT (RolloutQueue.record_version): the NCCL group cannot
     take in a replica that starts later, so it does not wait for weights that will not come."""
     import time
 
-    from maskroll.weight_sync.collective import COLLECTIVE_RECORD
+    from maskroll.proto.run_record import NCCL_CHECKPOINT
 
     rep = None
     try:
         with RolloutQueue(redis_url, NS, run="new", batch_size=2) as q:
-            q.record_version(3, COLLECTIVE_RECORD)
-            assert (q.run.version, q.run.checkpoint, q.policy_version) == (3, COLLECTIVE_RECORD, 3)
+            q.record_version(3, NCCL_CHECKPOINT)
+            assert (q.run.version, q.run.checkpoint, q.policy_version) == (3, NCCL_CHECKPOINT, 3)
             t0 = time.monotonic()
             with caplog.at_level(logging.INFO, logger="maskroll.weights"):
                 rep = _start(loop, model_dir, redis_url, "rep-nccl")
