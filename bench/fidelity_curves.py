@@ -32,9 +32,10 @@ from fidelity_run import (
 )
 
 from maskroll.recipes import arithmetic
-from maskroll.recipes.grpo import completion_logits, masks
+from maskroll.recipes.grpo import masks
 from maskroll.server.engines.torch_engine import TorchEngine
 from maskroll.trainer_adapter import collate, policy_loss, token_logprobs
+from maskroll.trainer_adapter.forward import completion_logits
 
 
 @dataclass(frozen=True)

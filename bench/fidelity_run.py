@@ -34,13 +34,14 @@ import torch
 from fidelity_stats import Counts, add, disagreement_counts, rule_counts
 
 from maskroll.recipes import arithmetic, digits
-from maskroll.recipes.grpo import completion_logits, masks
+from maskroll.recipes.grpo import masks
 from maskroll.server.engines.contract import EngineRequest, SamplingParams
 from maskroll.server.engines.torch_engine import TorchEngine
 from maskroll.server.generation.records_builder import RecordHeader, SampleBuilder, semantics_for
 from maskroll.trainer_adapter import MaskConfig, MaskResult, collate, policy_loss, token_logprobs
 from maskroll.trainer_adapter.collate import Batch
 from maskroll.trainer_adapter.config import Divergence, Estimator
+from maskroll.trainer_adapter.forward import completion_logits
 
 Tensor = torch.Tensor
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)

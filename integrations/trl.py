@@ -58,17 +58,16 @@ from maskroll.client.batching import staleness
 from maskroll.trainer_adapter import (
     MaskResult,
     collate,
-    compute_masks_for,
-    direction_agreement,
     token_logprobs,
 )
 from maskroll.trainer_adapter.distributed import single_process
+from maskroll.trainer_adapter.forward import completion_logits, realised_agreement
 from maskroll.weight_sync import Publisher, make_publisher, read_trained, write_trained
 from maskroll.weight_sync import lora as _lora
 
 from . import trl_ranks
 from .rollouts import GrpcSource, Job, QueueSource, _Source
-from .trl_maths import completion_logits, maskroll_loss, split_rows, trl_advantages
+from .trl_maths import maskroll_loss, split_rows, trl_advantages
 from .trl_options import LOSS_TYPES, MaskrollConfig, UnsupportedOption, peft_refusals, refusals
 
 with warnings.catch_warnings():
@@ -691,20 +690,9 @@ class MaskrollGRPOTrainer(GRPOTrainer):
             self._publisher.publish(self.accelerator.unwrap_model(self.model))
         trl_ranks.all_stepped(self._collective, confirm)
 
-    @torch.no_grad()
     def _log_direction_agreement(self, batch: dict[str, Tensor], before: MaskResult) -> None:
-        logits = completion_logits(self.model, batch)
-        after = compute_masks_for(
-            batch, logits, config=self.maskroll.mask, top_k=self._top_k, top_p=self._top_p
-        )
-        adv = batch["advantages"][:, None].expand_as(before.divergence).double()
-        agree = direction_agreement(
-            adv,
-            before.divergence.double(),
-            after.divergence.double(),
-            {"ratio": before.ratio_direction, "predictive": before.predicted_direction},
-            before.far,
-            response_mask=before.response_mask,
+        agree = realised_agreement(
+            self.model, batch, self.maskroll.mask, before, top_k=self._top_k, top_p=self._top_p
         )
         m = self._metrics["train"]
         for rule in ("ratio", "predictive"):

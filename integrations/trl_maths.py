@@ -1,5 +1,6 @@
 """The TRL adapter's maths as plain functions: GRPO advantages exactly as TRL computes them, maskroll's
-loss on a collated generation batch, micro-batches that drop no row, the completion logits.
+loss on a collated generation batch, micro-batches that drop no row (the completion logits are the
+recipe's too: `trainer_adapter.forward`).
 `MaskrollGRPOTrainer` (trl.py) calls them; they are tested alone (tests/integrations/test_trl.py).
 """
 
@@ -115,15 +116,3 @@ def split_rows(batch: dict[str, Tensor], chunks: int) -> list[dict[str, Tensor]]
     return [
         {k: v[a:b] if v.dim() > 0 else v for k, v in batch.items()} for a, b in itertools.pairwise(bounds)
     ]
-
-
-def completion_logits(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:  # -> [B, T, V]
-    """The logits that predict the completion tokens; only the last T + 1 positions go through the head."""
-    t = batch["completion_ids"].shape[1]
-    out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        logits_to_keep=t + 1,
-    )
-    return out.logits[:, :t]

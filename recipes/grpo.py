@@ -56,12 +56,12 @@ from maskroll.trainer_adapter import (
     MaskResult,
     collate,
     compute_masks_for,
-    direction_agreement,
     policy_loss,
     token_logprobs,
 )
 from maskroll.trainer_adapter.collate import Batch
 from maskroll.trainer_adapter.distill import distill_advantages
+from maskroll.trainer_adapter.forward import completion_logits, realised_agreement
 from maskroll.weight_sync import (
     CHECKPOINT_FILE,
     CpuTransport,
@@ -176,30 +176,9 @@ def grpc_auth() -> dict:
     }
 
 
-def completion_logits(model: torch.nn.Module, b: Batch) -> torch.Tensor:  # -> [B, T, V]
-    """The logits that predict the completion tokens (position t predicts token t + 1)."""
-    out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids)
-    return out.logits[:, b.completion_logits_slice]
-
-
 def masks(logits: torch.Tensor, b: Batch, cfg: MaskConfig, **kw) -> MaskResult:  # logits: [B, T, V]
     """`cfg`'s masks on the batch (kw: compute_masks_for's, e.g. vocab_stats); bench/fidelity_run.py too."""
     return compute_masks_for(b, logits, config=cfg, **kw)
-
-
-def realised_agreement(model: torch.nn.Module, b: Batch, cfg: MaskConfig, before: MaskResult) -> dict:
-    """How often each rule's predicted direction matched the realised change of D after the step."""
-    with torch.no_grad():
-        after = masks(completion_logits(model, b), b, cfg)
-    adv_tok = b.advantages[:, None].expand_as(before.divergence).double()  # [B, T]
-    return direction_agreement(
-        adv_tok,
-        before.divergence.double(),
-        after.divergence.double(),
-        {"ratio": before.ratio_direction, "predictive": before.predicted_direction},
-        before.far,
-        response_mask=b.response_mask,
-    )
 
 
 class DigitsTask:

@@ -25,12 +25,12 @@ from maskroll.integrations.trl import (
     MaskrollConfig,
     MaskrollGRPOTrainer,
     UnsupportedOption,
-    completion_logits,
     maskroll_loss,
     trl_advantages,
 )
 from maskroll.proto.streams import StreamKeys
 from maskroll.trainer_adapter import MaskConfig, collate, compute_masks, policy_loss, token_logprobs
+from maskroll.trainer_adapter.forward import completion_logits
 
 G = 4  # num_generations
 DIGITS = set(range(ord("0"), ord("9") + 1))

@@ -21,10 +21,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from maskroll.client import SyncRolloutClient
-from maskroll.integrations.trl import completion_logits, maskroll_loss
+from maskroll.integrations.trl import maskroll_loss
 from maskroll.proto.streams import F_RECORD, TRAINER_GROUP, StreamKeys
 from maskroll.proto.wire import decode_record
 from maskroll.trainer_adapter import MaskConfig
+from maskroll.trainer_adapter.forward import completion_logits
 
 HERE = Path(__file__).resolve().parent
 G = 4  # the worker's num_generations
