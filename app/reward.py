@@ -6,12 +6,12 @@ tokenizer is imported.
 
 from __future__ import annotations
 
-import logging
-
 from maskroll.stages.config import RewardStageConfig
 
+from . import stage_cli
 from .flags import parse_stage_config
 
+PROG = "maskroll reward"
 FLAGS = (
     "redis_url",
     "namespace",
@@ -20,35 +20,14 @@ FLAGS = (
     "concurrency",
     "tokenizer",
     "timeout_s",
-    "partitions",
-    "claim_idle_s",
-    "max_deliveries",
-    "max_len",
-    "dedupe_ttl_s",
-    "heartbeat_ttl_s",
-    "log_every_s",
-    "worker_id",
+    *stage_cli.SHARED_FLAGS,
 )
 
 
 def parse(argv: list[str]) -> RewardStageConfig:
     """The stage's config from its flags; an invalid value exits 2 with the config's message."""
-    return parse_stage_config(RewardStageConfig, "maskroll reward", __doc__.split("\n\n")[0], FLAGS, argv)
+    return parse_stage_config(RewardStageConfig, PROG, __doc__.split("\n\n")[0], FLAGS, argv)
 
 
 def main(argv: list[str]) -> int:
-    cfg = parse(argv)
-    if cfg.tokenizer is not None and not cfg.tokenizer.is_dir():  # here, not in the config: a manifest's
-        print(f"maskroll reward: --tokenizer {cfg.tokenizer} is not a directory")  # path exists in its pod
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from maskroll.stages import run_stage
-
-    try:
-        from maskroll.stages.scoring import load_reward
-
-        load_reward(cfg.reward)  # a wrong path fails here, once, not in every worker
-    except ValueError as e:
-        print(f"maskroll reward: {e}")
-        return 2
-    return run_stage(cfg)
+    return stage_cli.run(parse(argv), PROG)

@@ -7,12 +7,12 @@ fields (app/flags.py), checked before redis or grpc is imported.
 
 from __future__ import annotations
 
-import logging
-
 from maskroll.stages.config import TeacherStageConfig
 
+from . import stage_cli
 from .flags import parse_stage_config
 
+PROG = "maskroll teacher"
 FLAGS = (
     "redis_url",
     "namespace",
@@ -29,39 +29,14 @@ FLAGS = (
     "timeout_s",
     "retry_s",
     "student_wait_s",
-    "partitions",
-    "claim_idle_s",
-    "max_deliveries",
-    "max_len",
-    "dedupe_ttl_s",
-    "heartbeat_ttl_s",
-    "log_every_s",
-    "worker_id",
+    *stage_cli.SHARED_FLAGS,
 )
 
 
 def parse(argv: list[str]) -> TeacherStageConfig:
     """The stage's config from its flags; an invalid value exits 2 with the config's message."""
-    return parse_stage_config(TeacherStageConfig, "maskroll teacher", __doc__.split("\n\n")[0], FLAGS, argv)
+    return parse_stage_config(TeacherStageConfig, PROG, __doc__.split("\n\n")[0], FLAGS, argv)
 
 
 def main(argv: list[str]) -> int:
-    cfg = parse(argv)
-    if cfg.tokenizer is not None and not cfg.tokenizer.is_dir():
-        print(f"maskroll teacher: --tokenizer {cfg.tokenizer} is not a directory")
-        return 2
-    if cfg.tls_ca is not None and not cfg.tls_ca.is_file():
-        print(f"maskroll teacher: --tls-ca {cfg.tls_ca} is not a file")
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if cfg.reward:
-        from maskroll.stages.scoring import load_reward
-
-        try:
-            load_reward(cfg.reward)  # a wrong path fails here, once, not in every worker
-        except ValueError as e:
-            print(f"maskroll teacher: {e}")
-            return 2
-    from maskroll.stages import run_stage
-
-    return run_stage(cfg)
+    return stage_cli.run(parse(argv), PROG)
