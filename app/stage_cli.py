@@ -38,7 +38,7 @@ def run(cfg: StageConfig, prog: str) -> int:
             return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if cfg.reward:  # the teacher stage's is optional
-        from maskroll.stages.scoring import load_reward
+        from maskroll.stages.reward_call import load_reward
 
         try:
             load_reward(cfg.reward)

@@ -4,7 +4,7 @@ rollout stream the trainer reads. Run by `maskroll reward` (its own fleet) or in
 (`maskroll serve --reward`). The teacher stage (`maskroll teacher`, "The teacher stage") is the same worker
 with a teacher fleet's Score (and optionally the reward first) as its step.
 
-`config` (RewardStageConfig, TeacherStageConfig, stdlib only), `scoring` (one reward call: load, decode,
+`config` (RewardStageConfig, TeacherStageConfig, stdlib only), `reward_call` (one reward call: load, decode,
 timeout, checks), `teacher` (the teacher fleet's step and the vocabulary check), `worker` (StageWorker: the
 finished stream → scored records, dead letters, heartbeats), `run` (worker processes, and `make_worker`
 for a replica). Importing this package loads nothing heavy: the modules

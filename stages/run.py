@@ -42,7 +42,7 @@ def make_worker(redis, keys, cfg: RewardStageConfig, worker_id: str | None = Non
 
 def reward_step(cfg):
     """The reward function of `cfg` (a RewardStageConfig, or a TeacherStageConfig with --reward) as a step."""
-    from .scoring import Decoder, RewardStep, Scorer, load_reward
+    from .reward_call import Decoder, RewardStep, Scorer, load_reward
 
     fn, name = load_reward(cfg.reward)
     scorer = Scorer(fn, name, timeout_s=cfg.timeout_s, concurrency=cfg.concurrency)
@@ -110,7 +110,7 @@ async def serve_worker(
     from maskroll.proto.redis_conn import open_redis
     from maskroll.proto.streams import StreamKeys
 
-    from .scoring import StageWedged
+    from .reward_call import StageWedged
 
     r, cluster = await open_redis(cfg.redis_url)
     keys = StreamKeys(cfg.namespace, cfg.partitions, cluster)

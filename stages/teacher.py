@@ -34,7 +34,7 @@ from maskroll.proto.records import RolloutRecord, ServerInfo
 from maskroll.proto.scoring import ScoreOptions, ScoreResult
 from maskroll.proto.tokenizer_fingerprint import fingerprint_tokenizer_json, vocab_fingerprint
 
-from .scoring import RewardStep, StageError
+from .reward_call import RewardStep, StageError
 
 if TYPE_CHECKING:
     from .teacher_batch import GroupBatcher
@@ -121,7 +121,7 @@ class TeacherPool:
 
 class TeacherStep:
     """What the teacher stage does to one record (the StageWorker's `scorer`): its reward first when the
-    stage has one (`reward`: scoring.RewardStep), then the teacher's scores under μ_teacher =
+    stage has one (`reward`: reward_call.RewardStep), then the teacher's scores under μ_teacher =
     softmax(ℓ_teacher / teacher_temperature) with K_teacher top-K entries."""
 
     kind = "teacher"

@@ -1,7 +1,7 @@
 """StageWorker: finished records → a step that scores each one → the trainer's rollout stream
 (docs/rewards.md, "The reward stage" and "The teacher stage"; docs/architecture.md flow 8).
 
-The step (the worker's `scorer`) is a reward function (scoring.RewardStep: `maskroll reward`, `serve
+The step (the worker's `scorer`) is a reward function (reward_call.RewardStep: `maskroll reward`, `serve
 --reward`) or a teacher fleet, optionally after a reward function (teacher.TeacherStep: `maskroll
 teacher`); everything below is the same for both. Each kind reads through its own consumer group
 (`scorer.group`), so a namespace runs one kind of stage: a worker refuses to start while a live worker of
@@ -20,7 +20,7 @@ finished stream through one consumer group (REWARD_GROUP, or TEACHER_GROUP), lik
 - deduplicated: `forward` publishes a rollout id at most once (the partition's `scored` set) and never
   an entry another worker has already acked; the trainer's own dedupe (the `done` set) stays behind it.
 - dead letters with the reason: a record the step cannot score (the reward function raised, hung past
-  `timeout_s`, returned NaN or garbage — scoring.RewardError; the teacher refused its tokens —
+  `timeout_s`, returned NaN or garbage — reward_call.RewardError; the teacher refused its tokens —
   teacher.TeacherError), one that does not decode, or one whose
   scoring killed its worker `max_deliveries` times goes to the partition's dead letters, atomically
   with its ack, with a `reward_failed` notice on the rollout stream so the trainer closes its group at
@@ -64,7 +64,7 @@ from maskroll.proto.streams import (
 )
 
 from .config import StageConfig
-from .scoring import StageError, StageWedged
+from .reward_call import StageError, StageWedged
 
 log = logging.getLogger("maskroll.reward")
 
@@ -88,7 +88,7 @@ class StageWorker:
 
     scorer: the step — `kind` ("reward" | "teacher": its consumer group, GROUPS), `label` (what scores,
     for the heartbeat), `what` (what a failed record goes without), `hung`, `close()`, and
-    `await scorer(rec)`, which scores the record in place or raises scoring.StageError. cfg: the stage's
+    `await scorer(rec)`, which scores the record in place or raises reward_call.StageError. cfg: the stage's
     config (RewardStageConfig or TeacherStageConfig: the limits of their StageConfig)."""
 
     def __init__(
