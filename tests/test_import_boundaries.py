@@ -1,10 +1,13 @@
-"""The import boundaries of docs/architecture.md ("Folders" and "Import edges"), checked two ways.
+"""The import boundaries of docs/architecture.md ("Folders", "Import edges", "The replica's rooms"), checked
+three ways.
 
 Statically: every import in every source file (lazy ones included) is either the standard library, the
 file's own package, a maskroll module its package may import (EDGES), or a third-party library its
 package may import (THIRD_PARTY). An undeclared edge fails here, naming the file — declare it in both
-this table and docs/architecture.md, or remove it. Dynamically, in fresh interpreters: importing a
-package loads none of its heavy dependencies (they load on first use).
+this table and docs/architecture.md, or remove it. Inside the replica, the rooms that are its core know
+nothing of its front ends (TRANSPORT_FREE), and modules stay small (MAX_LINES, LINE_LIMITS).
+Dynamically, in fresh interpreters: importing a package loads none of its heavy dependencies (they load
+on first use).
 """
 
 from __future__ import annotations
@@ -123,6 +126,32 @@ ONLY_IN: dict[tuple[str, str], set[str]] = {
     ("recipes", "peft"): {"recipes/grpo.py"},  # get_peft_model when GRPOConfig.lora is on
 }
 
+# server/ paths (a room, or one module) -> the modules they may never import: the replica's core and the
+# rooms under it know nothing of the gRPC or HTTP front ends that adapt it (docs/architecture.md, "The
+# replica's rooms"); the HTTP front end reaches the core directly, never through the gRPC servicer.
+FRONT_ENDS = (
+    "grpc",
+    "grpc_health",
+    "maskroll.server.grpc_api",
+    "maskroll.server.http_api",
+    "fastapi",
+    "starlette",
+)
+TRANSPORT_FREE: dict[str, tuple[str, ...]] = {
+    "server/engines": FRONT_ENDS,
+    "server/generation": FRONT_ENDS,
+    "server/weights": FRONT_ENDS,
+    "server/pull": FRONT_ENDS,
+    "server/errors.py": FRONT_ENDS,
+    "server/core.py": FRONT_ENDS,
+    "server/running.py": FRONT_ENDS,
+    "server/namespaces.py": FRONT_ENDS,
+    "server/http_api": ("grpc", "maskroll.server.grpc_api"),
+}
+# Small flat files (STYLE.md §15): no library module over MAX_LINES lines, and these less.
+MAX_LINES = 700
+LINE_LIMITS = {"server/grpc_api/servicer.py": 300}  # a front end converts and calls: it is not the core
+
 # package -> modules that importing the package itself must never load
 FORBIDDEN_ON_IMPORT = {
     "maskroll.proto": ["torch", "vllm", "transformers", "grpc", "redis"],
@@ -207,6 +236,29 @@ def test_every_import_is_a_declared_edge(package: str) -> None:
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("room", sorted(TRANSPORT_FREE))
+def test_the_core_knows_nothing_of_the_front_ends(room: str) -> None:
+    path = ROOT / room
+    files = [path] if path.suffix == ".py" else sorted(path.rglob("*.py"))
+    assert files, f"{room} names no file"
+    problems = [
+        f"{f.relative_to(ROOT)} imports {name}"
+        for f in files
+        for name in _imports(f)
+        if any(name == bad or name.startswith(bad + ".") for bad in TRANSPORT_FREE[room])
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_no_library_module_is_too_long() -> None:
+    sizes = {
+        str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for pkg in PACKAGES for p in _sources(pkg)
+    }
+    assert set(LINE_LIMITS) <= set(sizes), "LINE_LIMITS names a module that does not exist"
+    long = {f: n for f, n in sizes.items() if n > LINE_LIMITS.get(f, MAX_LINES)}
+    assert not long, f"over {MAX_LINES} lines (or their LINE_LIMITS): {long}"
+
+
 def test_every_declared_edge_names_a_real_module() -> None:
     for package, allowed in EDGES.items():
         for edge in allowed:
@@ -228,8 +280,10 @@ def test_the_checker_catches_an_undeclared_edge() -> None:
     assert _edge_allowed("server", "maskroll.proto.records.RolloutRecord")
     assert _edge_allowed("recipes", "maskroll.trainer_adapter.collate.Batch")
     assert not _edge_allowed("recipes", "maskroll.app.model_init")
-    here = ROOT / "server" / "engines" / "torch_engine.py"
+    here = ROOT / "server" / "engines" / "torch_sampling.py"
     assert "maskroll.trainer_adapter.processed.processed_chunk" in _imports(here)
+    # relative imports resolve to the module they name (the rule TRANSPORT_FREE relies on)
+    assert "maskroll.server.errors.InvalidArgument" in _imports(ROOT / "server" / "weights" / "stream.py")
 
 
 def _loaded_after_import(module: str) -> set[str]:

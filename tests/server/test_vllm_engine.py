@@ -26,7 +26,6 @@ from grpc_fixtures import ServerLoop
 from vllm_fixtures import server_loop, vllm_engine  # noqa: F401  (fixtures)
 
 from maskroll.app.model_init import init_model
-from maskroll.server.engines import vllm_engine as vllm_engine_module
 from maskroll.server.engines.contract import EngineOutput, EngineRequest, SamplingParams
 from maskroll.trainer_adapter import processed_logprobs
 
@@ -424,13 +423,15 @@ def test_update_weights_mid_stream(
     version labels say exactly which is which. The consumer lags on purpose, so vLLM merges outputs
     from both sides of the update into one delta, which the engine must split."""
     runs_seen: list[list[tuple[int, int, int]]] = []
-    split = vllm_engine_module.split_by_version
+    from maskroll.server.engines import vllm_outputs
+
+    split = vllm_outputs.split_by_version
 
     def spy(versions):
         runs_seen.append(split(versions))
         return runs_seen[-1]
 
-    monkeypatch.setattr(vllm_engine_module, "split_by_version", spy)
+    monkeypatch.setattr(vllm_outputs, "split_by_version", spy)
     prompt, v0 = PROMPTS[1], rig.engine.policy_version
 
     async def scenario():
