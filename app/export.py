@@ -156,7 +156,7 @@ def export_model(
     """Export version `version` (default: the newest) of the run saved under `weights_root`, the base
     being `model_dir`, into `out` (see the module docstring for what is written); returns `out`.
     Raises ExportError for what is refused."""
-    from maskroll.server.weights.fingerprint import fingerprint_dir
+    from maskroll.server.weights.dir_fingerprint import fingerprint_dir
     from maskroll.weight_sync import lora
     from maskroll.weight_sync.checkpoint import CHECKPOINT_FILE, checkpoint_dir
 

@@ -54,8 +54,8 @@ class BroadcastError(RuntimeError):
 @dataclass(frozen=True)
 class ReplicaWeights:
     """What a replica serves: the run of its weights ("" = none yet: its starting weights) and version;
-    on its starting weights, their fingerprint (proto/fingerprint.py; "" when unknown). Compared by run
-    and version only."""
+    on its starting weights, their fingerprint (proto/weights_fingerprint.py; "" when unknown).
+    Compared by run and version only."""
 
     run_id: str
     version: int

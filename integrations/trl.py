@@ -55,11 +55,7 @@ import torch
 
 from maskroll.client import SamplingOptions
 from maskroll.client.batching import staleness
-from maskroll.trainer_adapter import (
-    MaskResult,
-    collate,
-    token_logprobs,
-)
+from maskroll.trainer_adapter import MaskResult, collate, token_logprobs
 from maskroll.trainer_adapter.distributed import single_process
 from maskroll.trainer_adapter.forward import completion_logits, realised_agreement
 from maskroll.weight_sync import Publisher, make_publisher, read_trained, write_trained

@@ -55,7 +55,8 @@ LORA_B = ".lora_B.weight"  # [out_features, rank]
 class AdapterSpec:
     """A LoRA adapter's configuration (PEFT's convention: W' = W + (alpha / rank) · B · A for each targeted
     Linear). target_modules: PEFT's short names as trained ("q_proj", ...); base_fingerprint: the
-    `proto.fingerprint` of the base weights it was trained on (a replica on another base refuses it)."""
+    `proto.weights_fingerprint` of the base weights it was trained on (a replica on another base refuses
+    it)."""
 
     rank: int
     alpha: float

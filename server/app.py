@@ -52,7 +52,7 @@ from .pull.jobs import JobRunner
 from .pull.publisher import RolloutPublisher
 from .pull.puller import PromptPuller
 from .pull.slots import JobSlots
-from .weights.fingerprint import fingerprint_dir
+from .weights.dir_fingerprint import fingerprint_dir
 from .weights.join import join_current_version
 
 log = logging.getLogger(__name__)

@@ -99,7 +99,7 @@ THIRD_PARTY: dict[str, set[str]] = {
     "proto": {"numpy", "grpc", "google", "redis", "grpc_tools"},
     "client": {"numpy", "grpc", "grpc_health", "redis"},
     "trainer_adapter": {"numpy", "torch", "matplotlib"},
-    "weight_sync": {"torch", "safetensors", "vllm", "peft"},  # vllm: collective.py, the NCCL trainer engine
+    "weight_sync": {"torch", "safetensors", "vllm", "peft"},  # vllm: nccl.py, the NCCL trainer engine
     "server": {
         *("numpy", "torch", "transformers", "tokenizers", "safetensors", "vllm"),
         *("grpc", "grpc_health", "redis", "pydantic", "pydantic_settings", "prometheus_client"),

@@ -34,8 +34,8 @@ from maskroll.client import BroadcastError, ReplicaWeights
 
 from . import broadcast
 from .checkpoint import CHECKPOINT_FILE, checkpoint_dir, load_checkpoint, prune, save_checkpoint
-from .fingerprint import model_fingerprint
 from .lora import refuse_lora
+from .model_fingerprint import model_fingerprint
 from .versions import WeightSyncError, checked, next_version, publish_first
 
 if TYPE_CHECKING:

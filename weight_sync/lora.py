@@ -28,7 +28,7 @@ import torch
 
 from maskroll.proto.tensor_push import LORA_A, LORA_B, AdapterSpec
 
-from .fingerprint import model_fingerprint
+from .model_fingerprint import model_fingerprint
 
 ADAPTER = "default"  # the PEFT adapter that is published: get_peft_model's (and TRL's) only one
 PEFT_PREFIX = "base_model.model."  # PEFT's names of the wrapped model's modules, on the trainer and on disk
@@ -223,7 +223,7 @@ def base_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 def base_fingerprint(model) -> str:
-    """`weight_sync.fingerprint.model_fingerprint` of the base under a PEFT model (equal to that of the
+    """`weight_sync.model_fingerprint` of the base under a PEFT model (equal to that of the
     un-wrapped model: the replicas' base); of `model` itself when it is not a PEFT model."""
     if not is_lora(model):
         return model_fingerprint(_unwrap(model))

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from maskroll.proto.fingerprint import sample_indices, weights_fingerprint
 from maskroll.proto.heap import trim_heap
 from maskroll.proto.safetensors_layout import TORCH_NAMES, safetensors_header
 from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES, TensorSpec, WeightsManifest
+from maskroll.proto.weights_fingerprint import sample_indices, weights_fingerprint
 
 from .checkpoint import CHECKPOINT_FILE
 
@@ -127,7 +127,7 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
 @dataclass(frozen=True)
 class WrittenVersion:
     """A version written by `write_gathered`: its file, the push manifest (CRC-32s of the bytes written)
-    and the weights fingerprint (proto/fingerprint.py) of the whole model."""
+    and the weights fingerprint (proto/weights_fingerprint.py) of the whole model."""
 
     path: Path
     manifest: WeightsManifest

@@ -51,7 +51,7 @@ from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES, AdapterSpec, TensorS
 
 from . import broadcast, lora
 from .checkpoint import checkpoint_dir, load_checkpoint, prune
-from .fingerprint import model_fingerprint
+from .model_fingerprint import model_fingerprint
 from .sharded import WrittenVersion, dtype_name, version_file
 from .versions import WeightSyncError, checked, next_version, publish_first
 

@@ -5,4 +5,4 @@ full-weights refusal), a transport's replica end per module — `directory.py` (
 --weights-root), `stream.py` (PushWeights received into memory or the spool), `nccl.py` (a broadcast) —,
 `checkpoints.py` (which checkpoint files may load, opened as checked), `tensor_rules.py` (names, shapes,
 dtypes, finite values against the served model: both engines ask it), `adapters.py` (LoRA adapters),
-`fingerprint.py` (the starting weights' fingerprint), `join.py` (joining a run at its current version)."""
+`dir_fingerprint.py` (the starting weights' fingerprint), `join.py` (joining a run at its current version)."""

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from maskroll.proto.safetensors_layout import TORCH_NAMES
+
 from ..engines.contract import Engine
 from ..errors import InvalidArgument, PermissionDenied, ServiceError, shown
 
@@ -184,21 +186,6 @@ def fd_path(fd: int, fallback: Path) -> str:
     return proc if os.path.exists(proc) else str(fallback)
 
 
-# safetensors dtype name -> torch dtype name (getattr(torch, name))
-_TORCH_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-}
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
@@ -206,7 +193,7 @@ def torch_dtype(name: str):
     """The torch dtype of a safetensors dtype name (F32, BF16, ...); KeyError for an unknown one."""
     import torch
 
-    return getattr(torch, _TORCH_DTYPES[name])
+    return getattr(torch, TORCH_NAMES[name])
 
 
 def read_safetensors(fd: int, label: str) -> Iterator[tuple[str, object]]:

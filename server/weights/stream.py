@@ -27,10 +27,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import os
 import shutil
-import struct
 import tempfile
 import time
 import zlib
@@ -40,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from maskroll.proto.safetensors_layout import safetensors_header
 from maskroll.proto.tensor_push import WeightsManifest
 
 from ..engines.contract import Engine
@@ -58,23 +57,6 @@ MAX_TENSOR_NAME_CHARS = 1024  # a model's parameter names are a few dozen charac
 
 def spool_root() -> Path:
     return Path(os.environ.get(SPOOL_ENV) or tempfile.gettempdir())
-
-
-def safetensors_header(manifest: WeightsManifest) -> bytes:
-    """The safetensors prefix (u64 little-endian header length + JSON header, padded to 8 bytes) of a
-    file holding the manifest's tensors back to back in manifest order."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for t in manifest.tensors:
-        header[t.name] = {
-            "dtype": t.dtype,
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + t.nbytes],
-        }
-        offset += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
-    return struct.pack("<Q", len(raw)) + raw
 
 
 def _crc_error(t, got: int) -> InvalidArgument:
@@ -207,7 +189,7 @@ async def receive_file(manifest: WeightsManifest, rest: Chunks, spool: Path | No
 async def _receive_file(manifest: WeightsManifest, rest: Chunks, directory: Path) -> None:
     try:
         with open(directory / FILE_NAME, "wb") as f:
-            f.write(safetensors_header(manifest))
+            f.write(safetensors_header(manifest.tensors))
             # the writer checked the order: the bytes of the file are the chunks back to back
             await _Writer(manifest, lambda _i, _o, data: f.write(data)).consume(rest)
     except BaseException:

@@ -103,7 +103,7 @@ class WeightUpdates:
 
     @property
     def base_fingerprint(self) -> str:
-        """The fingerprint of the starting weights (weights/fingerprint.py; server/app.py sets it) while
+        """The fingerprint of the starting weights (weights/dir_fingerprint.py; server/app.py sets it) while
         they are served; "" once any update loaded other weights, or when unknown. Adapters apply to it."""
         return self.adapters.base_fingerprint
 

@@ -34,7 +34,7 @@ def base_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def base_fingerprint(model_dir: str | Path) -> str:
     """The fingerprint a replica started on `model_dir` reports (GetInfo.base_fingerprint)."""
-    from maskroll.server.weights.fingerprint import fingerprint_dir
+    from maskroll.server.weights.dir_fingerprint import fingerprint_dir
 
     return fingerprint_dir(model_dir)
 

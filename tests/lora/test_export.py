@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from maskroll.app import cli
 from maskroll.app.export import ExportError, export_model, saved_versions
 from maskroll.app.model_init import encode_text, init_model
-from maskroll.server.weights.fingerprint import fingerprint_dir
+from maskroll.server.weights.dir_fingerprint import fingerprint_dir
 from maskroll.weight_sync import lora
 from maskroll.weight_sync.checkpoint import save_checkpoint
-from maskroll.weight_sync.fingerprint import model_fingerprint
+from maskroll.weight_sync.model_fingerprint import model_fingerprint
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 PROMPT = "count 7:"

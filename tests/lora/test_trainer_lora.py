@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from maskroll.app.model_init import init_model
 from maskroll.proto.tensor_push import LORA_A, LORA_B
 from maskroll.weight_sync import lora
-from maskroll.weight_sync.fingerprint import model_fingerprint
+from maskroll.weight_sync.model_fingerprint import model_fingerprint
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 IDS = torch.tensor([[256, 72, 105, 33, 10, 50, 51]])
@@ -69,7 +69,7 @@ def test_adapter_of_names_shapes_and_values(model_dir):
 
 
 def test_base_fingerprint_is_the_unwrapped_model_s_and_the_replica_s(model_dir):
-    from maskroll.server.weights.fingerprint import fingerprint_dir
+    from maskroll.server.weights.dir_fingerprint import fingerprint_dir
 
     base = _base(model_dir)
     unwrapped = model_fingerprint(base)

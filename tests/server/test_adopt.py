@@ -32,8 +32,8 @@ def test_adopt_takes_only_the_same_weights_and_only_a_new_runs_version_0(server_
     import torch
     import transformers
 
-    from maskroll.server.weights.fingerprint import fingerprint_dir
-    from maskroll.weight_sync.fingerprint import model_fingerprint
+    from maskroll.server.weights.dir_fingerprint import fingerprint_dir
+    from maskroll.weight_sync.model_fingerprint import model_fingerprint
 
     info = _call(server_loop, served, lambda c: c.info())
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -224,3 +224,6 @@ def rank_main(rank: int, world_size: int, port: int, payload: str, out: str) -> 
         torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+    from maskroll.recipes.launch import exit_rank
+
+    exit_rank(0)  # launch.exit_rank says why: gloo's threads can abort the interpreter's shutdown

@@ -167,4 +167,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from maskroll.recipes.launch import exit_rank
+
     main()
+    exit_rank(0)  # launch.exit_rank says why: gloo's threads can abort the interpreter's shutdown

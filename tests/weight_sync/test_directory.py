@@ -20,7 +20,7 @@ from maskroll.weight_sync import (
     load_checkpoint,
     save_checkpoint,
 )
-from maskroll.weight_sync.fingerprint import model_fingerprint
+from maskroll.weight_sync.model_fingerprint import model_fingerprint
 
 
 class Replicas:

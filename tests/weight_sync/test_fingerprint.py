@@ -1,4 +1,4 @@
-"""The weights fingerprint (proto/fingerprint.py): the same weights hash alike however they are held
+"""The weights fingerprint (proto/weights_fingerprint.py): the same weights hash alike however they are held
 (float32 or bfloat16, a module or a state dict, a checkpoint read by rows on a replica, tied tensors),
 and other weights — one changed value at a sampled position, another shape, another name — do not."""
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from maskroll.proto.fingerprint import SAMPLE, sample_indices, weights_fingerprint
-from maskroll.server.weights.fingerprint import fingerprint_dir
-from maskroll.weight_sync.fingerprint import model_fingerprint
+from maskroll.proto.weights_fingerprint import SAMPLE, sample_indices, weights_fingerprint
+from maskroll.server.weights.dir_fingerprint import fingerprint_dir
+from maskroll.weight_sync.model_fingerprint import model_fingerprint
 
 
 def _llama(tie: bool) -> torch.nn.Module:

@@ -1,5 +1,5 @@
 """The weights fingerprint of a replica's starting weights: its `--model` directory's safetensors
-(proto/fingerprint.py says what it is and why). Read by rows, so a large model costs a few pages per
+(proto/weights_fingerprint.py says what it is and why). Read by rows, so a large model costs a few pages per
 tensor, not the file; "" when the directory has no safetensors (nothing to compare: trainers push)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maskroll.proto.fingerprint import sample_indices, weights_fingerprint
+from maskroll.proto.weights_fingerprint import sample_indices, weights_fingerprint
 
 log = logging.getLogger("maskroll.weights")
 
@@ -30,9 +30,9 @@ def fingerprint_dir(model_dir: str | Path) -> str:
 
     model_dir = Path(model_dir)
     files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
-    # A tied lm_head is the input embedding: a trainer's model counts it once (weight_sync/fingerprint.py,
-    # shared storage), and transformers saves it once; a directory that stores it anyway (SmolLM2's
-    # conversion did) must not count it twice, or no trainer's model ever matches this replica's base.
+    # A tied lm_head is the input embedding: a trainer's model counts it once (shared storage,
+    # weight_sync/model_fingerprint.py), and transformers saves it once; a directory that stores it anyway
+    # (SmolLM2's conversion did) must not count it twice, or no trainer's model ever matches this base.
     skip = {"lm_head.weight"} if _tied_output(model_dir) else set()
     items = []
     for file in files:

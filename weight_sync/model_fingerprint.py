@@ -1,4 +1,4 @@
-"""The weights fingerprint of a trainer's model (proto/fingerprint.py says what it is and why).
+"""The weights fingerprint of a trainer's model (proto/weights_fingerprint.py says what it is and why).
 
 Tensors that share storage (tied embeddings: `lm_head.weight` is `embed_tokens.weight`) count once,
 under the first name in state-dict order, as Hugging Face checkpoints store them.
@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
-from maskroll.proto.fingerprint import sample_indices, weights_fingerprint
+from maskroll.proto.weights_fingerprint import sample_indices, weights_fingerprint
 
 
 def model_fingerprint(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> str:
