@@ -1,5 +1,5 @@
 """Fixtures of the LoRA tests (issue 22). Shared helpers are in `lora_helpers` (a module, not this
-conftest); tests/server's `fake_engine` and `grpc_fixtures` and tests/weights' `push_helpers` are
+conftest); tests/server's `fake_engine` and `grpc_fixtures` and tests/server/weights' `push_helpers` are
 importable from here by module name."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-for folder in ("server", "weights"):
-    if str(HERE.parent / folder) not in sys.path:
-        sys.path.insert(0, str(HERE.parent / folder))
+for folder in (HERE.parent / "server", HERE.parent / "server" / "weights"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 
 @pytest.fixture(scope="session")

@@ -1,19 +1,13 @@
-"""Shared fixtures of the server tests: one tiny model directory per session (writing it takes ~1 s), and
-replicas around the scripted FakeEngine (`fake`; a module using it imports grpc_fixtures' `server_loop`)."""
+"""Shared fixtures of the server tests: one tiny model directory per session (writing it takes ~1 s;
+grpc_fixtures' `tiny_model_dir`), and replicas around the scripted FakeEngine (`fake`; a module using it
+imports grpc_fixtures' `server_loop`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`maskroll init-model` output with the defaults: hidden 128, 4 heads, 2 layers, max_len 1024, seed 0."""
-    from maskroll.app.model_init import init_model
-
-    return init_model(tmp_path_factory.mktemp("tiny_model") / "model", seed=0)
+from grpc_fixtures import tiny_model_dir  # noqa: F401  (a fixture: the session's tiny model)
 
 
 @pytest.fixture

@@ -93,6 +93,15 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
 
 
 @pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`maskroll init-model` output with the defaults: hidden 128, 4 heads, 2 layers, max_len 1024, seed 0.
+    tests/server's conftest imports it (so do tests/client's and tests/app's): the model its engines load."""
+    from maskroll.app.model_init import init_model
+
+    return init_model(tmp_path_factory.mktemp("tiny_model") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
 def server_loop() -> Iterator[ServerLoop]:
     loop = ServerLoop()
     yield loop

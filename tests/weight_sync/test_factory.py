@@ -1,7 +1,8 @@
 """One Publisher protocol, one factory, and the weight calls that take the queue — without Redis: which
 publisher each transport makes, what the factory refuses, that every publisher has the protocol's
 members, and that the blocking weight calls have their async forms' signatures. The same publishers
-against real replicas: tests/weights/ and tests/queue/test_run_lifecycle.py."""
+against real replicas: tests/weight_sync/test_stream.py and test_nccl.py, tests/server/weights/test_join.py
+and tests/queue/test_run_lifecycle.py."""
 
 from __future__ import annotations
 

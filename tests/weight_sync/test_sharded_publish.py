@@ -14,7 +14,7 @@ gRPC server, in this process, pulling from a real Redis), after one real optimis
   `RankedPublisher`'s errors: rank 0's raised on every rank.
 - GPUs (skipped without three CUDA devices and vLLM): FSDP2 over the NCCL transport to a vLLM replica.
 The single-process publishers are covered, unchanged, by tests/weight_sync/test_directory.py and
-tests/weights/test_stream_publish.py.
+tests/weight_sync/test_stream.py.
 """
 
 from __future__ import annotations

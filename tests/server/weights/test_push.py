@@ -126,7 +126,7 @@ def test_a_bad_push_is_refused_and_the_old_weights_keep_serving(torch_replica, w
 def test_a_dropped_connection_mid_push_changes_nothing(torch_replica, weights_root, spool):
     """The client goes away after half the chunks (its deadline expires while the rest is withheld). The
     torch engine receives into memory: nothing ever reaches the spool, and the half-received tensors
-    are dropped with the refused push (tests/weights/test_stream_receive.py: the spool path)."""
+    are dropped with the refused push (tests/server/weights/test_stream.py: the spool path)."""
     addr = torch_replica.address
     v = next_version(addr)
     before = generate(addr)

@@ -1,22 +1,17 @@
-"""Fixtures of the weight-transport tests: one tiny model and checkpoints of it under a weights root,
-one torch engine behind a real in-process gRPC replica (it changes weights, so it is this folder's own),
-and a private spool directory for pushed weights. tests/server holds grpc_fixtures (in-process
-servers) and vllm_fixtures (the session's vLLM engine); tests/queue holds procs (`maskroll serve`
-replica processes)."""
+"""Fixtures of the weight-transport tests, both ends: one tiny model and checkpoints of it under a weights
+root, one torch engine behind a real in-process gRPC replica (it changes weights, so it is these tests'
+own), and a private spool directory for pushed weights. A module, not a conftest, so that the replica's
+end (tests/server/weights) and the trainer's (tests/weight_sync) import the same fixtures into their
+conftests: each conftest puts tests/server (grpc_fixtures) and this folder (push_helpers) on sys.path
+first."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "server"))
-sys.path.insert(0, str(HERE.parent / "queue"))
-
-from grpc_fixtures import ServerLoop, replica, server_config, start_torch_engine  # noqa: E402
-from push_helpers import spool_at  # noqa: E402
+from grpc_fixtures import ServerLoop, replica, server_config, start_torch_engine
+from push_helpers import spool_at
 
 
 @pytest.fixture(scope="session")

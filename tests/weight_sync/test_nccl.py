@@ -41,7 +41,7 @@ def test_a_replica_without_nccl_refuses_and_says_so(torch_replica):
 
 class _TrainerEngine:
     """What vLLM's NCCLTrainerWeightTransferEngine.send_weights does with its client, minus the NCCL
-    broadcast itself (which needs GPUs: tests/weights/test_nccl.py)."""
+    broadcast itself (which needs GPUs: tests/weight_sync/test_nccl_gpu.py)."""
 
     def __init__(self, client, model) -> None:
         self.client, self.model = client, model
