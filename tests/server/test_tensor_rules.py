@@ -1,11 +1,21 @@
 """The one weight rule set (`server/weights/tensor_rules.py`) that both engines ask: names (tied storage
-counted once), shapes, dtype kinds and finite values as served, on hand-built layouts and tensors."""
+counted once), shapes, dtype kinds and finite values as served, on hand-built layouts and tensors; and
+`check_checkpoint` (the vLLM engine's check of a checkpoint before it pauses) on written files."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from maskroll.server.weights.tensor_rules import Layout, compare, finite_problem, floating_dtype, nonfinite
+from maskroll.server.weights.tensor_rules import (
+    Layout,
+    check_checkpoint,
+    compare,
+    finite_problem,
+    floating_dtype,
+    nonfinite,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -95,3 +105,39 @@ def test_the_torch_engine_checks_a_state_dict_by_these_rules_and_names_the_first
         with pytest.raises(ValueError) as err:
             checked(model, dict(tensors), "ckpt", cpu)
         assert str(err.value) == message
+
+
+def test_check_checkpoint_applies_the_weight_rules(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    def write(name: str, tensors: dict) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"))
+        return d
+
+    ref = write("ref", {"a": torch.zeros(2, 3), "b": torch.zeros(4)})
+    check_checkpoint(write("same", {"a": torch.ones(2, 3), "b": torch.ones(4, dtype=torch.float64)}), ref)
+    with pytest.raises(ValueError, match="missing \\['b'\\]"):
+        check_checkpoint(write("missing", {"a": torch.ones(2, 3)}), ref)
+    with pytest.raises(ValueError, match="wrong shape"):
+        check_checkpoint(write("shape", {"a": torch.ones(3, 2), "b": torch.ones(4)}), ref)
+    # the rules the torch engine applies too (server/weights/tensor_rules.py): dtype kinds, and finite
+    # values as served, after the cast to the engine's dtype
+    ints = write("ints", {"a": torch.ones(2, 3, dtype=torch.int64), "b": torch.ones(4)})
+    with pytest.raises(ValueError, match=r"wrong dtype \(floating point or not\) \['a'\]"):
+        check_checkpoint(ints, ref)
+    wide = write("wide", {"a": torch.ones(2, 3, dtype=torch.float64) * 1e39, "b": torch.ones(4)})
+    check_checkpoint(wide, ref)  # finite as stored
+    with pytest.raises(
+        ValueError, match=r"'a' in .* has 6 non-finite values .*after the cast to torch\.float32"
+    ):
+        check_checkpoint(wide, ref, dtype="float32")
+    truncated = write("truncated", {"a": torch.ones(2, 3), "b": torch.ones(4)})
+    path = truncated / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        check_checkpoint(truncated, ref)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError):
+        check_checkpoint(tmp_path / "empty", ref)

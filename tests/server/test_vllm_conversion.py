@@ -8,13 +8,11 @@ the data vLLM 0.32 produces; test_vllm_engine.py checks the same paths against t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from maskroll.server.engines.vllm_outputs import logprob_arrays, split_by_version, token_versions
-from maskroll.server.weights.tensor_rules import check_checkpoint
 
 
 @dataclass
@@ -101,40 +99,3 @@ def test_token_versions_and_runs() -> None:
     assert split_by_version(np.array([3, 3, 3])) == [(0, 3, 3)]
     with pytest.raises(RuntimeError, match="do not cover"):
         token_versions([("1", 4)], 2, 3)
-
-
-def test_check_checkpoint_applies_the_weight_rules(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
-    from safetensors.torch import save_file
-
-    def write(name: str, tensors: dict) -> Path:
-        d = tmp_path / name
-        d.mkdir()
-        save_file(tensors, str(d / "model.safetensors"))
-        return d
-
-    ref = write("ref", {"a": torch.zeros(2, 3), "b": torch.zeros(4)})
-    check_checkpoint(write("same", {"a": torch.ones(2, 3), "b": torch.ones(4, dtype=torch.float64)}), ref)
-    with pytest.raises(ValueError, match="missing \\['b'\\]"):
-        check_checkpoint(write("missing", {"a": torch.ones(2, 3)}), ref)
-    with pytest.raises(ValueError, match="wrong shape"):
-        check_checkpoint(write("shape", {"a": torch.ones(3, 2), "b": torch.ones(4)}), ref)
-    # the rules the torch engine applies too (server/weights/tensor_rules.py): dtype kinds, and finite
-    # values as served, after the cast to the engine's dtype
-    ints = write("ints", {"a": torch.ones(2, 3, dtype=torch.int64), "b": torch.ones(4)})
-    with pytest.raises(ValueError, match=r"wrong dtype \(floating point or not\) \['a'\]"):
-        check_checkpoint(ints, ref)
-    wide = write("wide", {"a": torch.ones(2, 3, dtype=torch.float64) * 1e39, "b": torch.ones(4)})
-    check_checkpoint(wide, ref)  # finite as stored
-    with pytest.raises(
-        ValueError, match=r"'a' in .* has 6 non-finite values .*after the cast to torch\.float32"
-    ):
-        check_checkpoint(wide, ref, dtype="float32")
-    truncated = write("truncated", {"a": torch.ones(2, 3), "b": torch.ones(4)})
-    path = truncated / "model.safetensors"
-    path.write_bytes(path.read_bytes()[:-8])
-    with pytest.raises(ValueError, match="not a readable safetensors file"):
-        check_checkpoint(truncated, ref)
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError):
-        check_checkpoint(tmp_path / "empty", ref)
