@@ -122,8 +122,8 @@ ONLY_IN: dict[tuple[str, str], set[str]] = {
     ("server", "uvicorn"): {"server/http_api/server.py"},  # the HTTP server's lifecycle, in one place
     ("recipes", "trl"): {"recipes/trl_grpo.py"},  # the TRL twin of the GRPO recipe
     ("recipes", "datasets"): {"recipes/trl_grpo.py"},
-    ("weight_sync", "peft"): {"weight_sync/lora.py"},
-    ("weight_sync", "vllm"): {"weight_sync/nccl.py"},  # the NCCL trainer engine: the nccl transport's end  # LoRA adapters: PEFT's names and layers, in one place
+    ("weight_sync", "peft"): {"weight_sync/lora.py"},  # LoRA adapters: PEFT's names and layers, in one place
+    ("weight_sync", "vllm"): {"weight_sync/nccl.py"},  # the NCCL trainer engine: the nccl transport's end
     ("recipes", "peft"): {"recipes/grpo.py"},  # get_peft_model when GRPOConfig.lora is on
 }
 

@@ -11,11 +11,12 @@ engine request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -51,46 +52,41 @@ def rpc_boundary(method: str) -> Callable:
 
             @functools.wraps(fn)
             async def stream(self, request, context):
-                t0, code = time.perf_counter(), "OK"
-                try:
+                async with _boundary(method, context, self.observe_rpc):
                     async for item in fn(self, request, context):
                         yield item
-                except (asyncio.CancelledError, GeneratorExit):
-                    code = "CANCELLED"
-                    raise
-                except grpc.aio.AbortError:
-                    code = _code_name(context)
-                    raise
-                except Exception as exc:
-                    status, message = status_of(method, exc)
-                    code = status.name
-                    await context.abort(status, message)
-                finally:
-                    self.observe_rpc(method, code, time.perf_counter() - t0)
 
             return stream
 
         @functools.wraps(fn)
         async def unary(self, request, context):
-            t0, code = time.perf_counter(), "OK"
-            try:
+            async with _boundary(method, context, self.observe_rpc):
                 return await fn(self, request, context)
-            except asyncio.CancelledError:
-                code = "CANCELLED"
-                raise
-            except grpc.aio.AbortError:
-                code = _code_name(context)
-                raise
-            except Exception as exc:
-                status, message = status_of(method, exc)
-                code = status.name
-                await context.abort(status, message)
-            finally:
-                self.observe_rpc(method, code, time.perf_counter() - t0)
 
         return unary
 
     return decorate
+
+
+@contextlib.asynccontextmanager
+async def _boundary(method: str, context, observe: Observer) -> AsyncIterator[None]:
+    """One RPC's outcome: an exception becomes its status (context.abort raises AbortError, which
+    propagates), cancellation is recorded and re-raised, and the metrics hear how it ended."""
+    t0, code = time.perf_counter(), "OK"
+    try:
+        yield
+    except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: grpc closing an abandoned stream
+        code = "CANCELLED"
+        raise
+    except grpc.aio.AbortError:
+        code = _code_name(context)
+        raise
+    except Exception as exc:
+        status, message = status_of(method, exc)
+        code = status.name
+        await context.abort(status, message)
+    finally:
+        observe(method, code, time.perf_counter() - t0)
 
 
 def _code_name(context) -> str:
