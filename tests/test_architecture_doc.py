@@ -14,22 +14,10 @@ import pathlib
 import re
 
 import pytest
+from test_import_boundaries import PACKAGES  # the 11 packages, named once
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
-PACKAGES = (
-    "proto",
-    "client",
-    "trainer_adapter",
-    "weight_sync",
-    "server",
-    "recipes",
-    "integrations",
-    "local",
-    "app",
-    "rewards",
-    "stages",
-)
 TOP = (*PACKAGES, "bench", "tests", "deploy", "examples", "docs")
 
 SECTION = re.compile(r"^### `(\w+)/`")

@@ -14,6 +14,8 @@ for folder in (HERE.parent / "server", HERE.parent / "server" / "weights"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
+from weights_fixtures import loop  # noqa: E402, F401  (fixture: a module-scoped server loop of one's own)
+
 
 @pytest.fixture(scope="session")
 def lora_model_dir(tmp_path_factory) -> Path:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from fake_engine import FakeEngine
-from grpc_fixtures import ServerLoop, replica, server_config, start_torch_engine, wait_until
+from grpc_fixtures import replica, server_config, start_torch_engine, wait_until
 from push_helpers import messages, push, spool_at
 
 from maskroll.client import RolloutClient, RolloutError, SamplingOptions
@@ -27,13 +27,6 @@ from maskroll.server.engines.contract import SamplingParams, ScoreRequest
 
 PROMPT = [72, 101, 108, 108, 111, 32, 9]
 OPTS = SamplingOptions(max_tokens=10, temperature=1.0, logprobs_k=5, seed=7)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lp = ServerLoop()
-    yield lp
-    lp.close()
 
 
 @pytest.fixture(scope="module")
