@@ -175,6 +175,8 @@ FLAGS = (
     "grpo.lr",
     "grpo.lora.lora_rank",
     "grpo.lora.lora_alpha",
+    "grpo.replica_dtype",
+    "grpo.weight_deltas",
 )
 CLUSTER_FLAGS = ("spawn", "redis_url", "namespace", "weights_dir", "weight_transport", "model")
 
@@ -210,6 +212,8 @@ class Cluster:
             args += ["--replica-id", f"demo-replica-{i}"]
             args += ["--weights-root", self.weights] if directory else []
             args += ["--max-logprobs", str(self.cfg.grpo.logprobs_k), "--drain-timeout-s", "5"]
+            if self.cfg.grpo.replica_dtype != "auto":  # the trainer casts and pushes in it too
+                args += ["--dtype", self.cfg.grpo.replica_dtype]
             if self.cfg.grpo.lora.enabled:  # the replicas apply the trainer's adapters up to this rank
                 args += ["--max-lora-rank", str(self.cfg.grpo.lora.lora_rank)]
             # vLLM on CPU: compiling the model would cost more start-up than a short run saves
@@ -383,8 +387,8 @@ def run(cfg: DemoConfig) -> dict:
     # the weights each update moves: the adapter with --lora-rank, else the whole model (the recipe's
     # figures; the TRL trainer reports none)
     summary.setdefault("lora_rank", cfg.grpo.lora.lora_rank)
-    summary.setdefault("model_bytes", None)
-    summary.setdefault("weight_bytes_per_update", None)
+    for key in ("model_bytes", "weight_bytes_per_update", "weight_updates", "replicas_match_trainer"):
+        summary.setdefault(key, None)
     if cfg.trainer == "maskroll":
         summary["final"] = str(out / "final")
     if cfg.distill is not None:  # first / last training step: the KL to the teacher and the batch reward
@@ -427,10 +431,16 @@ def summary_table(summary: dict) -> str:
     sent, full = summary.get("weight_bytes_per_update"), summary.get("model_bytes")
     if sent and full:
         what = f"LoRA rank {summary['lora_rank']} adapter" if summary.get("lora_rank") else "full weights"
+        how = summary.get("weight_updates") or {}
+        if how.get("delta"):
+            what += f"; {how['delta']} deltas, {how.get('full', 0)} full"
         lines.append(
             f"weights per update and replica: {sent / 1e6:.3f} MB ({what}; the full model is "
             f"{full / 1e6:.1f} MB: {sent / full:.2%})"
         )
+        if summary.get("replicas_match_trainer") is not None:
+            same = "equal" if summary["replicas_match_trainer"] else "NOT equal"
+            lines.append(f"replicas' weights fingerprints after the last version: {same} to the trainer's")
     return "\n".join(lines)
 
 

@@ -25,6 +25,11 @@ class ReplicaInfo:
     extra: dict = field(default_factory=dict)
 
     @property
+    def weights_fingerprint(self) -> str:
+        """Which weights it serves (proto/weights_fingerprint.py); "" from a replica that does not say."""
+        return str(self.extra.get("weights_fingerprint", ""))
+
+    @property
     def pulls(self) -> bool:
         """Takes prompt jobs (a heartbeat without the field is from a puller: only pullers wrote one)."""
         return bool(self.extra.get("pull", True))
@@ -40,12 +45,14 @@ def encode_heartbeat(
     active_jobs: int = 0,
     pull: bool = True,
     run_id: str = "",
+    weights_fingerprint: str = "",
     in_flight: int = 0,
     tokens_per_s: float = 0.0,
 ) -> str:
     """pull: the replica takes prompt jobs; False: it only publishes what its front ends produce (HTTP
     sessions, Generate with a rollout stream) and is registered so that trainers push it weights.
-    run_id: the run of the weights it serves; in_flight: generations running; tokens_per_s: since the
+    run_id: the run of the weights it serves; weights_fingerprint: which weights (GetInfo's);
+    in_flight: generations running; tokens_per_s: since the
     previous heartbeat (for `maskroll status`)."""
     return json.dumps(
         {
@@ -57,6 +64,7 @@ def encode_heartbeat(
             "active_jobs": int(active_jobs),
             "pull": bool(pull),
             "run_id": run_id,
+            "weights_fingerprint": weights_fingerprint,
             "in_flight": int(in_flight),
             "tokens_per_s": round(float(tokens_per_s), 1),
         }

@@ -406,7 +406,7 @@ class ServerInfo:
     gpu_memory_utilization: float = 0.0
     kv_cache_tokens: int = 0
     run_id: str = ""  # the run of the weights served (the last UpdateWeights); "" = none yet
-    weights_fingerprint: str = ""  # of the starting weights while they are served; "" after a load
+    weights_fingerprint: str = ""  # the starting weights' or a verified push's (weights/updates.py)
     # load (the replica's metrics): running now, and counters since start
     in_flight: int = 0
     jobs_running: int = 0

@@ -21,13 +21,47 @@ from .safetensors_layout import ITEM_SIZES
 DEFAULT_CHUNK_BYTES = 4 << 20
 
 
+# How a delta push sends a tensor (TensorSpec.encoding; docs/architecture.md flow 4). A full push sends
+# every tensor dense.
+DENSE, SPARSE, SAME = "dense", "sparse", "same"
+ENCODINGS = (DENSE, SPARSE, SAME)
+DIGEST_HEX = 16  # xxh3-64, hex
+
+
+def digest_of(data: bytes | memoryview) -> str:
+    """A tensor's digest: xxh3-64 (hex) of its raw bytes (22 GB/s on one core, bench/weights.py). xxhash
+    is imported here: the trainer and the replica need it, a plain client never calls this."""
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def index_bytes(numel: int) -> int:
+    """Bytes per flat index of a sparse patch on a tensor of `numel` elements: int32, int64 past 2**31."""
+    return 4 if numel <= 2**31 - 1 else 8
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
     dtype: str  # safetensors name
     shape: tuple[int, ...]
-    nbytes: int
-    crc32: int = 0  # zlib.crc32 of the bytes
+    nbytes: int  # bytes sent: the dense tensor's, a sparse patch's (indices then values), 0 when same
+    crc32: int = 0  # zlib.crc32 of the bytes sent
+    encoding: str = DENSE
+    changed: int = 0  # sparse: elements changed (the patch's indices, then as many values)
+    digest: str = ""  # xxh3-64 hex of the tensor's bytes once applied ("": not verified)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.numel * ITEM_SIZES[self.dtype]
 
     def check(self) -> None:
         """Raise ValueError naming the tensor if its layout is inconsistent."""
@@ -37,14 +71,24 @@ class TensorSpec:
             raise ValueError(f"tensor {self.name!r}: dtype {self.dtype!r} is not one of {sorted(ITEM_SIZES)}")
         if any(d < 0 for d in self.shape):
             raise ValueError(f"tensor {self.name!r}: negative dimension in shape {list(self.shape)}")
-        n = ITEM_SIZES[self.dtype]
-        for d in self.shape:
-            n *= d
-        if n != self.nbytes:
-            raise ValueError(
-                f"tensor {self.name!r}: nbytes {self.nbytes} != {n} "
-                f"(shape {list(self.shape)} of {self.dtype})"
-            )
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"tensor {self.name!r}: encoding {self.encoding!r} is not one of {ENCODINGS}")
+        if self.digest and (len(self.digest) != DIGEST_HEX or self.digest.strip("0123456789abcdef")):
+            raise ValueError(f"tensor {self.name!r}: digest {self.digest[:40]!r} is not {DIGEST_HEX} hex")
+        if self.encoding == SPARSE:
+            if not 0 < self.changed <= self.numel:
+                raise ValueError(
+                    f"tensor {self.name!r}: a sparse patch of {self.changed} elements on {self.numel}"
+                )
+            want, what = self.changed * (index_bytes(self.numel) + ITEM_SIZES[self.dtype]), "its patch"
+        elif self.encoding == SAME:
+            want, what = 0, "an unchanged tensor"
+        else:
+            want, what = self.dense_bytes, f"shape {list(self.shape)} of {self.dtype}"
+        if self.encoding != SPARSE and self.changed:
+            raise ValueError(f"tensor {self.name!r}: changed={self.changed} on a {self.encoding} tensor")
+        if self.nbytes != want:
+            raise ValueError(f"tensor {self.name!r}: nbytes {self.nbytes} != {want} ({what})")
 
 
 LORA_A = ".lora_A.weight"  # [rank, in_features] of the Linear "<module>"
@@ -110,14 +154,26 @@ class WeightsManifest:
     run_id: str = ""
     adapter: AdapterSpec | None = None  # set: the tensors are a LoRA adapter on the replica's base
     namespace: str = ""  # the run's namespace on a replica serving several; "": the replica's own
+    base_version: int | None = None  # set: a delta on this version of `run_id` (every tensor listed)
 
     @property
     def total_bytes(self) -> int:
+        """Bytes the push sends (a delta's patches, not the model's size)."""
         return sum(t.nbytes for t in self.tensors)
 
+    @property
+    def is_delta(self) -> bool:
+        return self.base_version is not None
+
+    @property
+    def verified(self) -> bool:
+        """Every tensor carries the digest of its result: the replica checks them all once applied."""
+        return all(t.digest for t in self.tensors)
+
     def check(self, max_bytes: int | None = None) -> None:
-        """Raise ValueError if the manifest is empty, names a tensor twice, has an inconsistent tensor or
-        is larger than `max_bytes`."""
+        """Raise ValueError if the manifest is empty, names a tensor twice, has an inconsistent tensor, a
+        delta that is not one (no run, no digests, not on an earlier version, an adapter) or a patch in a
+        full push, or is larger than `max_bytes`."""
         if self.version < 0:
             raise ValueError(f"version {self.version} is negative")
         if not self.tensors:
@@ -128,6 +184,15 @@ class WeightsManifest:
             if t.name in seen:
                 raise ValueError(f"tensor {t.name!r} appears twice in the manifest")
             seen.add(t.name)
+        if self.is_delta:
+            if not self.run_id or self.adapter is not None:
+                raise ValueError("a delta push needs a run id and full weights (an adapter is sent whole)")
+            if not 0 <= self.base_version < self.version:
+                raise ValueError(f"a delta on version {self.base_version} cannot make version {self.version}")
+            if not self.verified:
+                raise ValueError("a delta push must carry every tensor's digest: its result is checked")
+        elif any(t.encoding != DENSE for t in self.tensors):
+            raise ValueError("a full push sends every tensor dense (sparse or same only in a delta)")
         if self.adapter is not None:
             self.adapter.check(self.tensors)
         if max_bytes is not None and self.total_bytes > max_bytes:

@@ -54,3 +54,20 @@ def weights_fingerprint(tensors: Iterable[tuple[str, tuple[int, ...], np.ndarray
         h.update(_bf16_bits(np.asarray(sample)).tobytes())
         count += 1
     return PREFIX + h.hexdigest()[:32] if count else ""
+
+
+DIGESTS_PREFIX = "wxh1:"  # a version whose every tensor was checked against its digest
+
+
+def digests_fingerprint(digests: Iterable[tuple[str, str]]) -> str:
+    """The weights fingerprint of a version pushed with digests (`TensorSpec.digest`: xxh3-64 of each
+    tensor's bytes in the replicas' dtype): the trainer computes it from what it sent, a replica from the
+    manifest it applied once every tensor of its own matched, so equal fingerprints mean equal weights bit
+    for bit (a tied tensor counts once, under the name it was sent by). "" for no tensors."""
+    pairs = sorted(digests)
+    if not pairs:
+        return ""
+    h = hashlib.sha256()
+    for name, digest in pairs:
+        h.update(f"{name}\x00{digest}\x00".encode())
+    return DIGESTS_PREFIX + h.hexdigest()[:32]

@@ -11,15 +11,33 @@ from __future__ import annotations
 
 from . import varint
 from ._generated import rollout_pb2 as pb
-from .tensor_push import AdapterSpec, CollectiveSpec, TensorSpec, WeightsManifest
+from .tensor_push import DENSE, AdapterSpec, CollectiveSpec, TensorSpec, WeightsManifest
 
 
 def tensor_spec_to_pb(t: TensorSpec) -> pb.TensorSpec:
-    return pb.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=t.nbytes, crc32=t.crc32)
+    return pb.TensorSpec(
+        name=t.name,
+        dtype=t.dtype,
+        shape=list(t.shape),
+        nbytes=t.nbytes,
+        crc32=t.crc32,
+        encoding="" if t.encoding == DENSE else t.encoding,
+        changed=t.changed,
+        digest=t.digest,
+    )
 
 
 def tensor_spec_from_pb(m: pb.TensorSpec) -> TensorSpec:
-    return TensorSpec(name=m.name, dtype=m.dtype, shape=tuple(m.shape), nbytes=m.nbytes, crc32=m.crc32)
+    return TensorSpec(
+        name=m.name,
+        dtype=m.dtype,
+        shape=tuple(m.shape),
+        nbytes=m.nbytes,
+        crc32=m.crc32,
+        encoding=m.encoding or DENSE,
+        changed=m.changed,
+        digest=m.digest,
+    )
 
 
 def adapter_spec_to_pb(a: AdapterSpec) -> pb.AdapterSpec:
@@ -45,6 +63,7 @@ def manifest_to_pb(m: WeightsManifest) -> pb.WeightsPushChunk:
             tensors=[tensor_spec_to_pb(t) for t in m.tensors],
             adapter=None if m.adapter is None else adapter_spec_to_pb(m.adapter),
             namespace=m.namespace,
+            base_version=m.base_version,
         )
     )
 
@@ -66,6 +85,7 @@ def manifest_from_pb(m: pb.WeightsPushChunk | bytes) -> WeightsManifest:
         tensors=tuple(tensor_spec_from_pb(t) for t in mf.tensors),
         adapter=adapter_spec_from_pb(mf.adapter) if mf.HasField("adapter") else None,
         namespace=mf.namespace,
+        base_version=mf.base_version if mf.HasField("base_version") else None,
     )
 
 

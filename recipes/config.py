@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from maskroll.trainer_adapter.config import MaskConfig
 
@@ -76,6 +77,10 @@ class GRPOConfig:
     eval_prompts: held-out prompts scored before and after training
     eval_n: samples per held-out prompt
     lora: LoRA (LoraConfig): train and publish low-rank adapters instead of the full model
+    replica_dtype: the replicas' weight dtype (their --dtype; the trainer casts its float32 weights to it
+        and pushes them in it): auto = the engine's default (float32 on CPU), the trainer's own dtype sent
+    weight_deltas: auto = each version after the first is pushed as a sparse delta on the last to the
+        replicas serving it (the stream transport; docs/architecture.md flow 4); off = every version whole
     """
 
     steps: int = 30
@@ -91,6 +96,8 @@ class GRPOConfig:
     eval_prompts: int = 16
     eval_n: int = 4
     lora: LoraConfig = field(default_factory=LoraConfig)
+    replica_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    weight_deltas: Literal["auto", "off"] = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.mask, MaskConfig):
@@ -112,6 +119,12 @@ class GRPOConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
                 raise ValueError(f"GRPOConfig.{name}={value!r}; expected an int >= {low}")
+        if self.replica_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(
+                f"GRPOConfig.replica_dtype={self.replica_dtype!r}; expected auto, float32 or bfloat16"
+            )
+        if self.weight_deltas not in ("auto", "off"):
+            raise ValueError(f"GRPOConfig.weight_deltas={self.weight_deltas!r}; expected auto or off")
         # temperature: SamplingOptions applies the one rule for it (maskroll.proto.sampling) when train starts
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr >= 0):
             raise ValueError(f"GRPOConfig.lr={self.lr!r}; expected a finite number >= 0")

@@ -133,16 +133,53 @@ def lora_model(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     return peft.get_peft_model(model, config)
 
 
-def model_bytes(model: torch.nn.Module) -> int:
+def model_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
     """The bytes of the full weights a full-model publish sends: the base's parameters (a LoRA model's
-    adapters left out), shared tensors counted once."""
+    adapters left out), shared tensors counted once, floating-point ones in `dtype` (None: their own)."""
     seen, total = set(), 0
     for name, p in model.named_parameters(remove_duplicate=True):
         if ".lora_" in name or p.data_ptr() in seen:
             continue
         seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
+        size = torch.empty((), dtype=dtype).element_size() if dtype and p.is_floating_point() else None
+        total += p.numel() * (size or p.element_size())
     return total
+
+
+def stream_options(cfg: GRPOConfig, weight_transport: str) -> dict:
+    """make_publisher's keywords for the replicas' dtype and deltas (the stream transport's only)."""
+    if weight_transport != "stream":
+        return {}
+    return {"dtype": replica_dtype(cfg), "deltas": cfg.weight_deltas}
+
+
+def replica_dtype(cfg: GRPOConfig) -> torch.dtype | None:
+    """The dtype the trainer sends weights in: the replicas' (--replica-dtype), None for auto (its own)."""
+    return None if cfg.replica_dtype == "auto" else getattr(torch, cfg.replica_dtype)
+
+
+def weight_figures(publisher, queue) -> dict:
+    """summary.json's weight figures (the stream transport's; None where a transport has none): mean bytes
+    sent per replica per update after version 0, the replicas pushed a delta or the full version, and
+    whether every live replica's weights fingerprint is the trainer's for the last version."""
+    inner = getattr(publisher, "inner", publisher)
+    fingerprint = getattr(inner, "fingerprint", "")
+    match = None
+    if fingerprint and queue is not None:
+        from maskroll.weight_sync.broadcast import replica_weights
+
+        served = replica_weights(queue)
+        match = bool(served) and all(getattr(w, "fingerprint", None) == fingerprint for w in served.values())
+    per_update = getattr(inner, "weight_bytes_per_update", None)
+    if per_update is None:  # the directory transport, or no update yet: what one replica is sent whole
+        per_update = getattr(inner, "last_update_bytes", None)
+    seconds = getattr(inner, "update_seconds", None)
+    return {
+        "weight_bytes_per_update": per_update,
+        "weight_seconds_per_update": sum(seconds) / len(seconds) if seconds else None,
+        "weight_updates": dict(getattr(inner, "updates", {})) or None,
+        "replicas_match_trainer": match,
+    }
 
 
 def _save_final(model, model_dir: Path, final_dir: Path, written: Path | None = None) -> None:
@@ -383,7 +420,7 @@ def _train(
 
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    full_bytes = model_bytes(model)
+    full_bytes = model_bytes(model, replica_dtype(cfg))
     if cfg.lora.enabled:
         model = lora_model(model, cfg.lora)
     model.to(data_parallel.device()).train()
@@ -407,6 +444,7 @@ def _train(
             collective=collective if ranks > 1 else None,
             root=weights_root,
             keep=2,
+            **stream_options(cfg, weight_transport),
         )
         trained = data_parallel.wrap(model, ranks, sharding)  # DDP's wrapper, or `model` sharded in place
         # every replica now samples from the run's current weights, and every rank's `model` holds them
@@ -540,6 +578,7 @@ def _train(
             _save_final(model, model_dir, final_dir, written=last)
         q.cancel_pending_jobs()  # prompts no replica started would only be refused by the next run
         queue_stats = asdict(q.stats)
+        weights = weight_figures(publisher, q)
     return {
         "mask_config": asdict(mask_cfg),
         "reward_before": reward_before,
@@ -549,7 +588,6 @@ def _train(
         "queue": queue_stats,
         "trainer_ranks": ranks,
         "lora_rank": cfg.lora.lora_rank,
-        "model_bytes": full_bytes,
-        # what one replica was sent for the last version: the adapter with LoRA, else the full weights
-        "weight_bytes_per_update": getattr(getattr(publisher, "inner", publisher), "last_update_bytes", None),
+        "model_bytes": full_bytes,  # in the replicas' dtype
+        **weights,
     }

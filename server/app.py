@@ -508,6 +508,8 @@ def _replica_info(core: ReplicaCore, port: int, ns: ServedNamespace) -> Callable
             "model": engine.model_id,
             "policy_version": version,
             "run_id": run_id,
+            # the full weights' (weights/updates.py): a trainer checks its replicas hold its version
+            "weights_fingerprint": core.updates.weights_fingerprint,
             "in_flight": int(now.in_flight),
             "tokens_per_s": (now.tokens - before.tokens) / max(now.at - before.at, 1e-9),
         }

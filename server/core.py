@@ -96,7 +96,7 @@ class ReplicaCore:
             replica_id=self.config.replica_id,
             max_message_bytes=self.config.max_message_bytes,
             run_id=updates.run_id,
-            weights_fingerprint="" if updates.run_id else updates.base_fingerprint,
+            weights_fingerprint=updates.weights_fingerprint,
             in_flight=int(load.in_flight),
             jobs_running=int(load.jobs_running),
             generated_tokens=int(load.tokens),

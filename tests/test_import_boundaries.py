@@ -96,13 +96,14 @@ EDGES: dict[str, set[str]] = {
 # package -> third-party top-level modules it may import; (package, module) -> the only files that may.
 THIRD_PARTY: dict[str, set[str]] = {
     # google: protobuf (the generated code, wire.py); grpc: the generated stubs
-    "proto": {"numpy", "grpc", "google", "redis", "grpc_tools"},
+    # xxhash: tensor_push.digest_of, imported when called (both ends of a push digest its tensors)
+    "proto": {"numpy", "grpc", "google", "redis", "grpc_tools", "xxhash"},
     "client": {"numpy", "grpc", "grpc_health", "redis"},
     "trainer_adapter": {"numpy", "torch", "matplotlib"},
     "weight_sync": {"torch", "safetensors", "vllm", "peft"},  # vllm: nccl.py, the NCCL trainer engine
     "server": {
         *("numpy", "torch", "transformers", "tokenizers", "safetensors", "vllm"),
-        *("grpc", "grpc_health", "redis", "pydantic", "pydantic_settings", "prometheus_client"),
+        *("grpc", "grpc_health", "redis", "pydantic", "pydantic_settings", "prometheus_client", "xxhash"),
         # the HTTP / OpenAI front end; google: protobuf's JSON mapping for the native JSON API
         *("fastapi", "starlette", "uvicorn", "google"),
     },

@@ -5,7 +5,9 @@ namespace), the replicas' gRPC credentials (`replica_auth`) and `record_version`
 version in the run record and makes it the trainer's policy version before any replica loads it:
 
 - `broadcast_weights`: record the version (a checkpoint directory), then UpdateWeights on every replica;
-- `push_weights`: record the version ("stream"), then PushWeights — the tensors in the call;
+- `push_weights`: record the version ("stream"), then PushWeights — the tensors in the call; with a
+  `delta`, the replicas serving its base are sent the delta, the others (and any that refused the delta)
+  the full version;
 - `sync_replicas`: make every replica serve the run's current version (after a resume, or a join);
 - `replica_weights`: what each replica serves now (GetInfo).
 
@@ -252,6 +254,8 @@ async def push_weights_async(
     *,
     record: str | None = "stream",
     fingerprint: str = "",
+    delta: tuple[WeightsManifest, Chunks] | None = None,
+    sent: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """Publish `version` with the tensors in the call (PushWeights: no shared filesystem), to every
     live replica concurrently, each bounded by `timeout`; `chunks()` yields (tensor index, offset,
@@ -262,7 +266,12 @@ async def push_weights_async(
     fingerprint (version 0): the trainer's model's; replicas whose starting weights have it adopt the
     version instead of receiving it. Results and errors as `broadcast_weights`. A LoRA adapter
     (`manifest.adapter`) is pushed for the queue's namespace (`manifest.namespace`): a replica serves
-    it when its current adapter of that namespace is this version of the run (GetInfo's adapters)."""
+    it when its current adapter of that namespace is this version of the run (GetInfo's adapters).
+    delta: (manifest, chunks) of the same version as a delta on `manifest.base_version` of the run
+    (weight_sync/delta.py): sent to the replicas that serve that base (GetInfo), the full version to the
+    others and to every replica that refused the delta (a digest that did not match, a restart between
+    the two calls), so none is ever left behind by it. `sent` is filled with {replica_id: "delta" |
+    "full"} of each replica pushed."""
     await queue.open()
     if record is not None:
         await queue.record_version(version, record)
@@ -271,8 +280,13 @@ async def push_weights_async(
         manifest = replace(manifest, namespace=manifest.namespace or queue.namespace)
     adapter_ns = manifest.namespace if manifest.adapter is not None else None
 
+    sent = {} if sent is None else sent
+
     async def send(reps: list[ReplicaInfo]) -> dict[str, str]:
-        return await push_each(reps, manifest, chunks, timeout=timeout, **queue.replica_auth)
+        if delta is None:
+            sent.update({rep.replica_id: "full" for rep in reps})
+            return await push_each(reps, manifest, chunks, timeout=timeout, **queue.replica_auth)
+        return await _send_delta(queue, reps, manifest, chunks, delta, timeout, sent)
 
     if record is None:
         return await _load_everywhere(
@@ -296,6 +310,40 @@ async def push_weights_async(
         fingerprint=fingerprint,
         adapter_namespace=adapter_ns,
     )
+
+
+async def _send_delta(
+    queue: AsyncRolloutQueue,
+    reps: list[ReplicaInfo],
+    manifest: WeightsManifest,
+    chunks: Chunks,
+    delta: tuple[WeightsManifest, Chunks],
+    timeout: float,
+    sent: dict[str, str],
+) -> dict[str, str]:
+    """push_weights_async's delta: the delta where its base is served, the full version elsewhere and as
+    the fallback of every refused delta."""
+    auth = queue.replica_auth
+    patch = replace(delta[0], version=manifest.version, run_id=manifest.run_id)
+    serving = await weights_of_each(reps, timeout=min(timeout, 10.0), **auth)
+    base = ReplicaWeights(manifest.run_id, int(patch.base_version))
+    on_base = [rep for rep in reps if serving.get(rep.replica_id) == base]
+    rest = [rep for rep in reps if rep not in on_base]
+    patched, whole = await asyncio.gather(
+        push_each(on_base, patch, delta[1], timeout=timeout, **auth),
+        push_each(rest, manifest, chunks, timeout=timeout, **auth),
+    )
+    sent.update({rep.replica_id: "delta" for rep in on_base} | {rep.replica_id: "full" for rep in rest})
+    refused = [rep for rep in on_base if patched[rep.replica_id] not in SERVING]
+    if refused:
+        log.warning(
+            "policy version %d: the delta was refused by %s; sending them the full version",
+            manifest.version,
+            {rep.replica_id: patched[rep.replica_id] for rep in refused},
+        )
+        patched.update(await push_each(refused, manifest, chunks, timeout=timeout, **auth))
+        sent.update({rep.replica_id: "full" for rep in refused})
+    return {**patched, **whole}
 
 
 async def adopt_replicas_async(

@@ -48,7 +48,9 @@ UNSET = _Unset.UNSET
 # The keywords of make_publisher that belong to some transports only: any other given is refused.
 OPTIONS: dict[str, frozenset[str]] = {
     "directory": frozenset({"keep", "require_all"}),
-    "stream": frozenset({"keep", "require_all", "follow_s", "chunk_bytes", "resume_from_base", "held"}),
+    "stream": frozenset(
+        {"keep", "require_all", "follow_s", "chunk_bytes", "resume_from_base", "held", "dtype", "deltas"}
+    ),
     "nccl": frozenset({"model", "master_address", "master_port", "tensor_parallel_size", "packed"}),
 }
 
@@ -90,6 +92,8 @@ def make_publisher(
     chunk_bytes: int | _Unset = UNSET,
     resume_from_base: bool | _Unset = UNSET,
     held: tuple[str, int] | _Unset | None = UNSET,
+    dtype: torch.dtype | str | _Unset | None = UNSET,
+    deltas: str | _Unset = UNSET,
     model: torch.nn.Module | _Unset = UNSET,
     master_address: str | _Unset = UNSET,
     master_port: int | _Unset = UNSET,
@@ -121,6 +125,10 @@ def make_publisher(
         resume_from_base: a resumed run with no copy of its version under root publishes the model as a
             new version instead of refusing (default False).
         held: the (run id, version) the model already holds, from an earlier publisher's `held`.
+        dtype: the replicas' dtype (torch.bfloat16, "bfloat16"): weights cast to it and sent in it
+            (default None: the model's own).
+        deltas: "auto" (default): each version after the first as a delta on the last to the replicas
+            serving it (delta.py), the full version to the others; "off": every version whole.
     "nccl" only (NcclPublisher; required: model, master_address, master_port):
         model: the module whose parameters are sent (NCCL reads them in place).
         master_address, master_port: the NCCL group's rendezvous, reachable by every replica.
@@ -141,6 +149,8 @@ def make_publisher(
             ("chunk_bytes", chunk_bytes),
             ("resume_from_base", resume_from_base),
             ("held", held),
+            ("dtype", dtype),
+            ("deltas", deltas),
             ("model", model),
             ("master_address", master_address),
             ("master_port", master_port),

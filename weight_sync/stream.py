@@ -35,8 +35,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -47,43 +48,42 @@ from maskroll.client import BroadcastError
 from maskroll.proto.heap import trim_heap
 from maskroll.proto.run_record import STREAM_CHECKPOINT
 from maskroll.proto.safetensors_layout import safetensors_header
-from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES, AdapterSpec, TensorSpec, WeightsManifest
+from maskroll.proto.tensor_push import (
+    DEFAULT_CHUNK_BYTES,
+    AdapterSpec,
+    TensorSpec,
+    WeightsManifest,
+    digest_of,
+)
+from maskroll.proto.weights_fingerprint import digests_fingerprint
 
-from . import broadcast, lora
+from . import broadcast, delta, lora
 from .checkpoint import checkpoint_dir, load_checkpoint, prune
 from .model_fingerprint import model_fingerprint
-from .sharded import WrittenVersion, dtype_name, version_file
+from .sharded import WrittenVersion, dtype_name, specs_of, version_file
 from .versions import WeightSyncError, checked, next_version, publish_first
 
 log = logging.getLogger(__name__)
 
 
-def snapshot(state_dict: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A CPU copy of the weights, contiguous: the optimiser changes the model in place, while a push
-    (and a later catch-up) must send this version."""
-    if isinstance(state_dict, torch.nn.Module):
-        state_dict = state_dict.state_dict()
-    if not state_dict:
-        raise ValueError("the state dict is empty: nothing to publish")
-    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state_dict.items()}
+_raw = delta.raw
 
 
-def _raw(t: torch.Tensor) -> memoryview:
-    # view(uint8) first: numpy has no bfloat16, and bytes are all the wire wants
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def manifest_of(tensors: Mapping[str, torch.Tensor], version: int, run_id: str = "") -> WeightsManifest:
-    """The manifest of `tensors` (CPU, contiguous), each with its CRC-32."""
+def manifest_of(
+    tensors: Mapping[str, torch.Tensor], version: int, run_id: str = "", *, digests: bool = False
+) -> WeightsManifest:
+    """The manifest of `tensors` (CPU, contiguous), each with its CRC-32 and, with `digests`, the xxh3-64
+    digest the replica checks what it loaded against (delta.py)."""
     dtypes = [dtype_name(name, t.dtype) for name, t in tensors.items()]  # before any byte is summed
     raws = [_raw(t) for t in tensors.values()]
     # The checksums are on the critical path (the manifest goes first): zlib releases the GIL, so the
     # tensors are summed on every core (0.15 s for 472 MB on one).
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="maskroll-crc") as pool:
         crcs = list(pool.map(zlib.crc32, raws))
+        sums = list(pool.map(digest_of, raws)) if digests else [""] * len(raws)
     specs = (
-        TensorSpec(name, dtype, tuple(t.shape), raw.nbytes, crc)
-        for (name, t), dtype, raw, crc in zip(tensors.items(), dtypes, raws, crcs, strict=True)
+        TensorSpec(name, dtype, tuple(t.shape), raw.nbytes, crc, digest=digest)
+        for (name, t), dtype, raw, crc, digest in zip(tensors.items(), dtypes, raws, crcs, sums, strict=True)
     )
     return WeightsManifest(version=version, tensors=tuple(specs), run_id=run_id)
 
@@ -104,13 +104,24 @@ def save_snapshot(tensors: Mapping[str, torch.Tensor], manifest: WeightsManifest
     """`tensors` (a snapshot: CPU, contiguous) written as `<directory>/model.safetensors`, the checkpoint
     layout, straight from their memory: safetensors' save_file copies every tensor to bytes first (one
     more model in memory). Under a temporary name, renamed when complete."""
+    return _write(manifest.tensors, tensors.values(), directory)
+
+
+def save_state(state: Mapping[str, torch.Tensor], directory: Path) -> Path:
+    """The model's own state (every name, its own dtype: the master weights a resume loads, not the
+    replicas' copy the pushes send) written as save_snapshot does, one tensor on the CPU at a time."""
+    tensors = {name: t.detach() for name, t in state.items()}
+    return _write(specs_of(tensors), (t.to("cpu").contiguous() for t in tensors.values()), directory)
+
+
+def _write(specs, tensors: Iterable[torch.Tensor], directory: Path) -> Path:
     path = version_file(directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(safetensors_header(list(manifest.tensors)))
-            for t in tensors.values():
+            f.write(safetensors_header(list(specs)))
+            for t in tensors:
                 f.write(_raw(t))
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -146,6 +157,13 @@ class StreamPublisher:
         held: (run id, version) that the model given to start() already holds, as the `held` of an
             earlier publisher of the same model says (a trainer that reopens its queue in one process,
             such as TRL's evaluate after train): start() takes the model as that version.
+        dtype: the replicas' dtype (e.g. torch.bfloat16, or its name): floating-point weights are cast
+            to it on the trainer, as the replicas would cast them, and sent in it (half the bytes of
+            float32); None sends the model's own dtype.
+        deltas: "auto" sends each version after the first as a delta on the last (delta.py: per tensor
+            nothing, a sparse patch or the dense tensor, whichever is smallest, so never more than the
+            full bytes) to the replicas that serve the last, the full version to the others; "off" sends
+            every version whole. A LoRA adapter and a sharded model's written file are always sent whole.
     """
 
     def __init__(
@@ -160,7 +178,16 @@ class StreamPublisher:
         follow_s: float | None = 5.0,
         resume_from_base: bool = False,
         held: tuple[str, int] | None = None,
+        dtype: torch.dtype | str | None = None,
+        deltas: str = "auto",
     ) -> None:
+        if deltas not in ("auto", "off"):
+            raise ValueError(f"deltas must be 'auto' or 'off', got {deltas!r}")
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.removeprefix("torch."), None)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError("dtype must be a floating-point torch dtype (or its name) or None")
+        self.dtype, self.deltas = dtype, deltas
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         if chunk_bytes < 1:
@@ -175,6 +202,12 @@ class StreamPublisher:
         self._written: WrittenVersion | None = None  # ... or its file (a sharded model's, publish_written)
         self._spool: str | None = None  # where written versions go without save_root (made on first use)
         self._manifest: WeightsManifest | None = None
+        self._delta: delta.Delta | None = None  # the last version as a delta on the one before, if any
+        self.fingerprint = ""  # the digests' fingerprint of the last version (full weights), or ""
+        self.updates = {"delta": 0, "full": 0}  # replicas pushed a version after the first, by how
+        self.update_bytes: list[float] = []  # per version after the first: bytes sent per replica pushed
+        self.update_seconds: list[float] = []  # per version after the first: until every replica serves it
+        self.last_pushed: dict[str, str] = {}  # {replica_id: "delta" | "full"} of the last push round
         self._base_fingerprint = ""  # a LoRA model's base (frozen: computed once)
         self.last_update_bytes = 0  # tensor bytes one replica is sent for the last version published
         self.last_sent_bytes = (
@@ -277,15 +310,22 @@ class StreamPublisher:
             # not two plus what the allocator kept (bench/learner.py: 835 MB extra for a 271 MB model
             # before). Under the lock, so the follower never pushes a half-replaced version: a replica
             # that joins mid-publish waits for the lock and is then pushed the new one (catch_up).
-            self._tensors, self._written, self._manifest = None, None, None
+            # With deltas, the last version (in the replicas' dtype: half a float32 snapshot in bf16) is
+            # kept until the new one is compared with it.
+            base = self._tensors if self._delta_base_ok() else None
+            base_version = self._manifest.version if base is not None else None
+            self._tensors, self._written, self._manifest, self._delta = None, None, None, None
             trim_heap()
             self._remember_model(model, version)
+            if base is not None:
+                self._delta = self._encode(base, base_version, version)
+            del base
             if self.save_root is not None:  # before the push records the version: a resume finds it
                 out = checkpoint_dir(self.save_root, version)
                 if self._manifest.adapter is not None:
                     lora.save_adapter(out, self._manifest.adapter, self._tensors)
-                else:
-                    save_snapshot(self._tensors, self._manifest, out)
+                else:  # the master weights, not the replicas' copy: a resume goes on training them
+                    save_state(model if isinstance(model, Mapping) else model.state_dict(), out)
             results = self._push_new(version)
         self._prune(version)
         return checked(version, results, self.require_all)
@@ -312,6 +352,7 @@ class StreamPublisher:
         with self._lock:
             before = self._written
             self._tensors, self._written, self._manifest = None, written, written.manifest
+            self._delta, self.fingerprint = None, ""
             self.held = (self.queue.run.run_id, version)
             self.last_update_bytes = written.manifest.total_bytes
             if version == 0:
@@ -324,10 +365,41 @@ class StreamPublisher:
         self._prune(version)
         return checked(version, results, self.require_all)
 
+    def _delta_base_ok(self) -> bool:
+        """The last version can be the base of a delta: full weights, in memory."""
+        m = self._manifest
+        return self.deltas == "auto" and self._tensors is not None and m is not None and m.adapter is None
+
+    def _encode(self, base: dict[str, torch.Tensor], base_version: int, version: int) -> delta.Delta | None:
+        try:
+            d = delta.encode(
+                base,
+                self._tensors,
+                [t.digest for t in self._manifest.tensors],
+                version=version,
+                base_version=base_version,
+            )
+        except ValueError as e:  # the model changed layout: every replica is sent the full version
+            log.warning("version %d is sent whole: %s", version, e)
+            return None
+        full, sent = self._manifest.total_bytes, d.manifest.total_bytes
+        log.info(
+            "version %d as a delta on %d: %.2f MB of %.2f MB (%.2f %%)",
+            version,
+            base_version,
+            sent / 1e6,
+            full / 1e6,
+            100 * sent / max(full, 1),
+        )
+        return d
+
     def _push_new(self, version: int) -> dict[str, str]:
         self.last_sent_bytes = 0
+        sent: dict[str, str] = {}
+        d = self._delta
+        t0 = time.perf_counter()
         try:
-            return broadcast.push_weights(
+            results = broadcast.push_weights(
                 self.queue,
                 version,
                 self._manifest,
@@ -335,9 +407,30 @@ class StreamPublisher:
                 timeout=self.timeout,
                 record=STREAM_CHECKPOINT,  # a version only the trainer holds
                 fingerprint=self._fingerprint if version == 0 else "",
+                delta=None if d is None else (d.manifest, lambda: self._counted(d.chunks(self.chunk_bytes))),
+                sent=sent,
             )
         except BroadcastError as e:
             raise WeightSyncError(version, e.failed, e.results) from e
+        if version > 0:
+            self.update_seconds.append(time.perf_counter() - t0)
+        self._count(version, results, sent)
+        return results
+
+    def _count(self, version: int, results: dict[str, str], sent: dict[str, str]) -> None:
+        """The figures of a push round (`updates`, `update_bytes`): versions after the first only."""
+        self.last_pushed = sent
+        pushed = [r for r, e in results.items() if e == "ok" and r in sent]
+        if version == 0 or not pushed:
+            return
+        for r in pushed:
+            self.updates[sent[r]] += 1
+        self.update_bytes.append(self.last_sent_bytes / len(pushed))
+
+    @property
+    def weight_bytes_per_update(self) -> float | None:
+        """Mean bytes sent per replica per update after version 0 (None before any)."""
+        return sum(self.update_bytes) / len(self.update_bytes) if self.update_bytes else None
 
     def catch_up(self) -> dict[str, str]:
         """Push the current version to the live replicas that do not serve it; {replica_id: result}.
@@ -346,7 +439,8 @@ class StreamPublisher:
             if self._manifest is None:
                 return {}
             self.last_sent_bytes = 0
-            return broadcast.push_weights(
+            sent: dict[str, str] = {}
+            results = broadcast.push_weights(
                 self.queue,
                 self._manifest.version,
                 self._manifest,
@@ -354,7 +448,10 @@ class StreamPublisher:
                 timeout=self.timeout,
                 record=None,
                 fingerprint=self._fingerprint if self._manifest.version == 0 else "",
+                sent=sent,
             )
+            self._count(self._manifest.version, results, sent)
+            return results
 
     def close(self) -> None:
         """Stop the follower thread (the queue stays open: it is the caller's)."""
@@ -377,18 +474,21 @@ class StreamPublisher:
     def _remember(
         self, tensors: dict[str, torch.Tensor], version: int, adapter: AdapterSpec | None = None
     ) -> None:
-        manifest = manifest_of(tensors, version)
+        manifest = manifest_of(tensors, version, digests=adapter is None)
         if adapter is not None:  # applied on the replicas' base, for the queue's namespace
             manifest = replace(manifest, adapter=adapter, namespace=self.queue.namespace)
+        self.fingerprint = digests_fingerprint((t.name, t.digest) for t in manifest.tensors if t.digest)
         self._tensors, self._manifest = tensors, manifest
         self._written = None
         self.held = (self.queue.run.run_id, version)
         self.last_update_bytes = manifest.total_bytes
 
     def _remember_model(self, model: Mapping[str, torch.Tensor] | torch.nn.Module, version: int) -> None:
-        """`model` as the version to send: a LoRA model's adapter (CPU copies), else a snapshot."""
+        """`model` as the version to send: a LoRA model's adapter (CPU copies), else a copy in the
+        replicas' dtype, a tied tensor once (delta.replica_copy)."""
         if not lora.is_lora(model):
-            self._remember(snapshot(model), version)
+            state = model.state_dict() if isinstance(model, torch.nn.Module) else model
+            self._remember(delta.replica_copy(state, self.dtype), version)
             return
         if not self._base_fingerprint:
             self._base_fingerprint = lora.base_fingerprint(model)
@@ -418,6 +518,7 @@ class StreamPublisher:
         the follower sends, instead of a snapshot; nothing is recorded or pushed here (catch_up does)."""
         with self._lock:
             self._tensors, self._written, self._manifest = None, written, written.manifest
+            self._delta, self.fingerprint = None, ""
             self.held = (self.queue.run.run_id, written.manifest.version)
 
     def _chunks(self) -> Iterator[tuple[int, int, memoryview | bytes]]:

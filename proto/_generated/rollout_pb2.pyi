@@ -266,32 +266,40 @@ class CollectiveSource(_message.Message):
     def __init__(self, group_name: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., init: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "nbytes", "crc32")
+    __slots__ = ("name", "dtype", "shape", "nbytes", "crc32", "encoding", "changed", "digest")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     nbytes: int
     crc32: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+    encoding: str
+    changed: int
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ..., encoding: _Optional[str] = ..., changed: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class WeightsManifest(_message.Message):
-    __slots__ = ("version", "run_id", "tensors", "adapter", "namespace")
+    __slots__ = ("version", "run_id", "tensors", "adapter", "namespace", "base_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     run_id: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     adapter: AdapterSpec
     namespace: str
-    def __init__(self, version: _Optional[int] = ..., run_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., adapter: _Optional[_Union[AdapterSpec, _Mapping]] = ..., namespace: _Optional[str] = ...) -> None: ...
+    base_version: int
+    def __init__(self, version: _Optional[int] = ..., run_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., adapter: _Optional[_Union[AdapterSpec, _Mapping]] = ..., namespace: _Optional[str] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class AdapterSpec(_message.Message):
     __slots__ = ("rank", "alpha", "target_modules", "base_fingerprint")

@@ -231,6 +231,22 @@ class WeightCapabilities:
     # a push is spooled to a file and loaded as a directory
     tensors: bool = False
     nccl: bool = False  # init_weight_transfer + update_weights_collective: NCCL broadcasts (GPUs)
+    # apply_weight_patches: a delta push applied in place (no reload, no second copy of the weights), each
+    # tensor's result checked against its digest before the version serves
+    patches: bool = False
+
+
+@dataclass(frozen=True)
+class WeightPatch:
+    """One changed tensor of a delta push, in checkpoint coordinates (the names and shapes of the model's
+    safetensors, as vLLM's `CheckpointWeightPatch`). `values`: a 1-D CPU tensor in the dtype the engine
+    holds the tensor in; `indices`: 1-D int32 / int64 flat positions into the tensor (strictly increasing),
+    one per value, or None: `values` is the whole tensor, flattened."""
+
+    name: str
+    shape: tuple[int, ...]
+    values: object  # torch.Tensor [n]
+    indices: object | None = None  # torch.Tensor [n] of int32 / int64, or None (dense: n = numel)
 
 
 class Engine(abc.ABC):
@@ -281,6 +297,17 @@ class Engine(abc.ABC):
         """`update_weights` for tensors already in memory ({name: CPU tensor}, consumed), checked as a
         checkpoint's are; `label` names them in errors. Only with `weight_capabilities.tensors`."""
         raise NotImplementedError(f"the {self.name} engine loads weights from files only")
+
+    async def apply_weight_patches(
+        self, version: int, patches: list[WeightPatch], digests: dict[str, str], label: str
+    ) -> int:
+        """Apply a delta in place and make `version` current (requests paused, as for `update_weights`);
+        returns the requests paused. `digests`: {name: xxh3-64 hex (`proto.tensor_push`) of the tensor's
+        bytes once applied} for every tensor the engine holds, a tied one once under either name; the
+        tensors the patches leave alone must match as they are. Any mismatch, an unknown name, a dtype
+        other than the engine's, an index out of range: ValueError naming the first tensor, with nothing
+        changed (the old version serves on). Only with `weight_capabilities.patches`."""
+        raise NotImplementedError(f"the {self.name} engine applies no weight deltas")
 
     async def init_weight_transfer(self, spec: CollectiveSpec) -> None:
         """Join the trainer's NCCL group (no weights change). Only with `weight_capabilities.nccl`."""

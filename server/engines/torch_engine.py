@@ -82,7 +82,8 @@ class TorchEngine(Engine):
     """
 
     name = "torch"
-    weight_capabilities = WeightCapabilities(tensors=True)  # a push loads from memory: no spool file
+    # a push loads from memory (no spool file); a delta is checked, then written into the parameters
+    weight_capabilities = WeightCapabilities(tensors=True, patches=True)
 
     def __init__(
         self,
@@ -298,6 +299,16 @@ class TorchEngine(Engine):
         checked = await asyncio.to_thread(self._checked, tensors, label)
         return await self._submit_update(version, checked)
 
+    async def apply_weight_patches(
+        self, version: int, patches: list, digests: dict[str, str], label: str
+    ) -> int:
+        """Checked off the decode thread (every tensor's result against its digest: nothing changes on a
+        refusal), then written in place between two steps."""
+        self._check_running()
+        check = torch_weights.prepared_patches
+        prepared = await asyncio.to_thread(check, self._model, patches, digests, label)
+        return await self._submit_update(version, {}, lambda: torch_weights.apply_patches(prepared))
+
     async def add_adapter(self, ref: AdapterRef, weights: LoraWeights) -> None:
         """Checked and cast off the decode thread, installed on it between two steps (nothing pauses)."""
         if self._lora is None:
@@ -443,7 +454,7 @@ class TorchEngine(Engine):
             self._finish(handle, exc)
 
     def _apply_update(self, update: Update) -> None:
-        if update.call is not None:  # an adapter added or removed: its failure is its own
+        if update.call is not None and update.version < 0:  # an adapter added or removed: its own failure
             if update.future.set_running_or_notify_cancel():  # False: the caller went away first
                 try:
                     result = update.call()
@@ -458,6 +469,8 @@ class TorchEngine(Engine):
         # of the model, the old storage is freed). Tied parameters are one Parameter object, so they
         # stay tied. One that fails anyway leaves the weights half-updated, so the engine must stop.
         try:
+            if update.call is not None:  # a delta's checked patches, written in place
+                update.call()
             params = self._model.state_dict(keep_vars=True)
             for key, t in update.tensors.items():
                 params[key].data = t

@@ -55,5 +55,6 @@ class ScoreJob:
 class Update:
     version: int
     tensors: dict[str, Tensor]
-    call: Callable[[], None] | None = None  # instead: an adapter added or removed between two steps
+    # instead: an adapter added or removed (version -1), or a delta written in place, between two steps
+    call: Callable[[], None] | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..weights import tensor_rules
+from .contract import WeightPatch
 
 if TYPE_CHECKING:
     from ..weights.checkpoints import Checkpoint
@@ -98,3 +99,87 @@ def checked(model: torch.nn.Module, tensors: dict[str, Tensor], label: str, devi
             raise ValueError(problem)
         tensors[key] = cast
     return tensors
+
+
+def prepared_patches(
+    model: torch.nn.Module, patches: list[WeightPatch], digests: dict[str, str], label: str
+) -> list[tuple[Tensor, Tensor | None, Tensor]]:
+    """A delta checked against the served model without changing it: every tensor's result (its patch
+    applied to a copy, one tensor at a time; an unpatched tensor as it is) must have the digest the
+    trainer sent, so the version is verified bit for bit before a single weight changes. Returns
+    (parameter, int64 flat indices or None for a whole tensor, values in the parameter's dtype) per patch,
+    for `apply_patches` on the decode thread. ValueError naming the first bad tensor."""
+    from maskroll.proto.tensor_push import digest_of
+
+    state = model.state_dict(keep_vars=True)
+    # A tied parameter (lm_head = embeddings) is one tensor, digested once under either of its names.
+    names_of: dict[int, list[str]] = {}
+    for name, t in state.items():
+        names_of.setdefault(id(t), []).append(name)
+    unknown = sorted(set(digests) - set(state))
+    if unknown:
+        raise ValueError(f"{label}: tensor {unknown[0]!r} is not in the served model ({len(unknown)} such)")
+    by_name = {p.name: p for p in patches}
+    if len(by_name) != len(patches) or not set(by_name) <= set(digests):
+        raise ValueError(f"{label}: every patch needs one digest, and a tensor one patch")
+    prepared = []
+    for names in names_of.values():
+        sent = [n for n in names if n in digests]
+        if len(sent) != 1:
+            what = "no digest" if not sent else f"digests under {len(sent)} of its names"
+            raise ValueError(f"{label}: tensor {names[0]!r} has {what}: the delta does not cover the model")
+        name = sent[0]
+        param, patch = state[name], by_name.get(name)
+        served = param.detach().reshape(-1)
+        if patch is None:
+            result = served
+        else:
+            indices, values = _checked_patch(patch, param, label)
+            if indices is None:
+                result = values
+            else:
+                result = served.clone()
+                result[indices] = values
+            prepared.append((param, indices, values))
+        got = digest_of(result.cpu().view(torch.uint8).numpy())
+        if got != digests[name]:
+            raise ValueError(
+                f"{label}: tensor {name!r} would be {got} once applied, the trainer's is {digests[name]} "
+                "(a patch on other weights, or corrupted): the version is refused, nothing changed"
+            )
+    return prepared
+
+
+def _checked_patch(patch: WeightPatch, param: Tensor, label: str) -> tuple[Tensor | None, Tensor]:
+    values, numel = patch.values, param.numel()
+    if tuple(patch.shape) != tuple(param.shape) or values.dtype != param.dtype or values.dim() != 1:
+        raise ValueError(
+            f"{label}: patch of {patch.name!r} is {list(patch.shape)} of {values.dtype}; the served tensor "
+            f"is {list(param.shape)} of {param.dtype}"
+        )
+    if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+        raise ValueError(f"{label}: patch of {patch.name!r} has non-finite values")
+    if patch.indices is None:
+        if values.numel() != numel:
+            raise ValueError(f"{label}: dense patch of {patch.name!r} has {values.numel()} of {numel} values")
+        return None, values.to(param.device)
+    indices = patch.indices.to(torch.int64)
+    n = indices.numel()
+    if n != values.numel() or n == 0:
+        raise ValueError(f"{label}: patch of {patch.name!r} has {n} indices for {values.numel()} values")
+    # strictly increasing and in range: unique positions, so the result does not depend on write order
+    increasing = n == 1 or bool((indices[1:] > indices[:-1]).all())
+    if int(indices[0]) < 0 or int(indices[-1]) >= numel or not increasing:
+        raise ValueError(f"{label}: patch of {patch.name!r}: indices not increasing within [0, {numel})")
+    return indices.to(param.device), values.to(param.device)
+
+
+def apply_patches(prepared: list[tuple[Tensor, Tensor | None, Tensor]]) -> None:
+    """The checked patches written into the parameters in place (between decode steps)."""
+    with torch.no_grad():
+        for param, indices, values in prepared:
+            flat = param.data.view(-1)  # parameters are contiguous (load_model owns them)
+            if indices is None:
+                flat.copy_(values)
+            else:
+                flat.index_copy_(0, indices, values)

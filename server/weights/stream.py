@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from maskroll.proto.safetensors_layout import safetensors_header
-from maskroll.proto.tensor_push import WeightsManifest
+from maskroll.proto.tensor_push import DENSE, WeightsManifest, digest_of
 
 from ..engines.contract import Engine
 from ..errors import FailedPrecondition, InvalidArgument, ServiceError, shown
@@ -66,10 +66,12 @@ def _crc_error(t, got: int) -> InvalidArgument:
     )
 
 
-class _Writer:
+class Writer:
     """Checks each chunk's place, then hands it to `put(index, offset, data)`. The CRC-32 of each tensor
     is checked as its chunks arrive, or, with `closed`, left to the caller: `closed(index)` is called
-    when tensor `index` is complete (the memory path checksums whole tensors in a worker thread)."""
+    when tensor `index` is complete (the memory path checksums whole tensors in a worker thread). A dense
+    tensor with a digest (its bytes are its result) is checked against it as it arrives too (xxh3 runs at
+    22 GB/s: a few ms per hundred MB on the event loop)."""
 
     def __init__(
         self,
@@ -79,6 +81,7 @@ class _Writer:
     ) -> None:
         self.m, self.put, self.closed = manifest, put, closed
         self.index, self.offset, self.crc = 0, 0, 0
+        self.hasher = None  # xxh3 of the current tensor's bytes, when it has a digest to match
         self._skip_empty()
 
     def _skip_empty(self) -> None:
@@ -92,7 +95,15 @@ class _Writer:
             self.closed(self.index)
         elif self.crc != t.crc32:
             raise _crc_error(t, self.crc)
-        self.index, self.offset, self.crc = self.index + 1, 0, 0
+        if t.digest and t.encoding == DENSE:
+            got = self.hasher.hexdigest() if self.hasher is not None else digest_of(b"")
+            if got != t.digest:
+                raise InvalidArgument(
+                    f"tensor {t.name!r}: xxh3 of the received bytes is {got}, the manifest says {t.digest} "
+                    "(corrupted before it was sent, or in transit?); the push is refused, the current "
+                    "weights are kept"
+                )
+        self.index, self.offset, self.crc, self.hasher = self.index + 1, 0, 0, None
 
     def write(self, index: int, offset: int, data: bytes) -> None:
         if self.index >= len(self.m.tensors):
@@ -109,6 +120,12 @@ class _Writer:
                 f"{t.nbytes} bytes"
             )
         self.put(index, offset, data)
+        if t.digest and t.encoding == DENSE:
+            if self.hasher is None:
+                import xxhash
+
+                self.hasher = xxhash.xxh3_64()
+            self.hasher.update(data)
         if self.closed is None:
             self.crc = zlib.crc32(data, self.crc)
         self.offset += len(data)
@@ -191,7 +208,7 @@ async def _receive_file(manifest: WeightsManifest, rest: Chunks, directory: Path
         with open(directory / FILE_NAME, "wb") as f:
             f.write(safetensors_header(manifest.tensors))
             # the writer checked the order: the bytes of the file are the chunks back to back
-            await _Writer(manifest, lambda _i, _o, data: f.write(data)).consume(rest)
+            await Writer(manifest, lambda _i, _o, data: f.write(data)).consume(rest)
     except BaseException:
         # Not in a thread: the call may be cancelled right now (the client went away), and an awaited
         # clean-up would be cancelled with it. Unlinking one file takes milliseconds.
@@ -249,7 +266,7 @@ async def _receive_tensors(manifest: WeightsManifest, rest: Chunks, torch, torch
         sums.append((index, loop.run_in_executor(pool, zlib.crc32, raw[index])))
 
     try:
-        await _Writer(manifest, put, closed).consume(rest)
+        await Writer(manifest, put, closed).consume(rest)
         for i, pending in sums:
             got = await pending
             if got != manifest.tensors[i].crc32:

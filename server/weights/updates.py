@@ -15,14 +15,19 @@ at start-up, weights/join.py) go through one `WeightUpdates`, so one set of rule
   replace the base every namespace's adapters apply to. A load of full weights drops every adapter.
 - **Adoption** (`AdoptSource`): the starting weights become version 0 of a new run, without a load,
   only when their fingerprint is the trainer's model's.
+- **Deltas** (a push on a `base_version`, weights/delta.py): only on exactly that version of the run,
+  asked on the manifest and again under the lock; the engine verifies every tensor before it serves.
+- **The weights fingerprint** (GetInfo's, the heartbeat's): the starting weights' while they serve; after
+  a push whose every tensor carried its digest and arrived in the engine's dtype, the digests' (the
+  trainer computes the same for the version: equal means equal bit for bit); "" otherwise.
 - **Adapters** (a push with an adapter): their rules and residency are the `AdapterTable`'s; this only
   receives and hands them over.
 - A refused or failed update is logged with the client's strings cut short, and leaves the old weights
   serving.
 
 Where an update's tensors come from is a `WeightSource`, one module per transport: directory.py (a
-checkpoint under --weights-root), stream.py (a push), nccl.py (a broadcast). Knows nothing of gRPC or
-HTTP; the errors are server/errors.py's, translated at the front ends.
+checkpoint under --weights-root), stream.py (a push), delta.py (a delta push), nccl.py (a broadcast).
+Knows nothing of gRPC or HTTP; the errors are server/errors.py's, translated at the front ends.
 """
 
 from __future__ import annotations
@@ -36,13 +41,14 @@ from typing import Protocol
 from maskroll.proto.heap import trim_heap
 from maskroll.proto.records import WeightsUpdate, WeightsUpdateResult
 from maskroll.proto.tensor_push import WeightsManifest
+from maskroll.proto.weights_fingerprint import digests_fingerprint
 
 from ..config import ServerConfig
 from ..engines.contract import Engine
 from ..errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable, message_of, shown
 from ..generation import validation
 from ..metrics import Metrics
-from . import stream
+from . import checkpoints, delta, stream
 from .adapters import AdapterTable
 from .directory import DirectorySource
 from .nccl import NcclSource, join
@@ -73,7 +79,7 @@ class Received:
 
     update: WeightsUpdate
     manifest: WeightsManifest
-    source: stream.StreamedSource | None = None  # full weights
+    source: stream.StreamedSource | delta.DeltaSource | None = None  # full weights, or a delta
     tensors: dict | None = None  # an adapter's tensors
 
 
@@ -94,12 +100,18 @@ class WeightUpdates:
         # The training run of the weights served ("" = the starting weights, or a client without runs):
         # the version rule is per run (docs/records.md, "Runs"), and records sampled from them carry it.
         self.run_id = ""
+        self._fingerprint = ""  # of the weights loaded last, when verified (the module docstring)
         metrics.policy_version.set(engine.policy_version)
 
     @property
     def weights_served(self) -> tuple[str, int]:
         """(run id, policy version) of the weights this replica serves ("" = its starting weights)."""
         return self.run_id, self._engine.policy_version
+
+    @property
+    def weights_fingerprint(self) -> str:
+        """Which weights this replica serves (GetInfo, the heartbeat): the module docstring's rule."""
+        return self._fingerprint if self.run_id else self.base_fingerprint
 
     @property
     def base_fingerprint(self) -> str:
@@ -150,6 +162,10 @@ class WeightUpdates:
                 return Received(update, manifest, tensors=await stream.receive_tensors(manifest, chunks))
             self._check_full_weights()
             self.check_version(update)
+            if manifest.is_delta:
+                delta.check_base(manifest, self.weights_served, self._engine)
+                patches = await delta.receive_patches(manifest, chunks)
+                return Received(update, manifest, source=delta.DeltaSource(manifest, patches))
             source = await stream.receive(self._engine, manifest, chunks)
             return Received(update, manifest, source=source)
         except ServiceError as exc:
@@ -258,8 +274,11 @@ class WeightUpdates:
             async with self._lock:
                 current, run = self._engine.policy_version, self.run_id
                 self.check_version(update)  # again: another update may have won the lock meanwhile
+                if isinstance(source, delta.DeltaSource):  # and the base it patches
+                    delta.check_base(source.manifest, self.weights_served, self._engine)
                 paused, seconds = await source.load(self._engine, version)
                 stream.now_serving(self._engine, source)
+                self._fingerprint = self._verified_fingerprint(source)
                 self.run_id = update.run_id
                 self.base_fingerprint = ""  # other weights now, even if the load was of the same bytes
                 # No adapter trained on the base fits the new weights: every namespace back to them.
@@ -285,6 +304,19 @@ class WeightUpdates:
         return WeightsUpdateResult(
             version=self._engine.policy_version, load_seconds=seconds, paused_requests=paused
         )
+
+    def _verified_fingerprint(self, source: WeightSource) -> str:
+        """The digests' fingerprint of a loaded push whose every tensor had one and came in the dtype the
+        engine holds it in (the engine keeps the bytes it was sent); "" for anything else."""
+        manifest = getattr(source, "manifest", None)
+        if not isinstance(manifest, WeightsManifest) or not manifest.verified:
+            return ""
+        served = self._engine.settings.dtype
+        for t in manifest.tensors:
+            dtype = checkpoints.torch_dtype(t.dtype)
+            if dtype.is_floating_point and str(dtype).removeprefix("torch.") != served:
+                return ""
+        return digests_fingerprint((t.name, t.digest) for t in manifest.tensors)
 
 
 def _log_refused(update: WeightsUpdate, exc: ServiceError, source: WeightSource | None = None) -> None:

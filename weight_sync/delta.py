@@ -1,0 +1,143 @@
+"""The trainer's end of delta pushes (the replica's is server/weights/delta.py): each new version sent as
+what changed since the last one, in the replicas' dtype, checked on arrival bit for bit.
+
+At RL learning rates most weights do not change in a step once rounded to the replicas' dtype: a bf16
+element moves only when the float32 master weight crosses half a bf16 ulp (measured on SmolLM2-135M with
+AdamW: bench/weights.py, docs/benchmarks.md "Weight updates at scale"). So the trainer keeps the last
+version it pushed *in that dtype* (one copy, the one a replica that joins later is sent whole), casts the
+new weights the same way (round to nearest even, as the replica's own cast would) and sends per tensor
+the cheapest of:
+
+- nothing ("same"): no element's bits changed;
+- a sparse patch: the changed elements' flat indices (int32 little-endian; int64 past 2**31 elements)
+  then their new values — vLLM's `CheckpointWeightPatch` coordinates (the checkpoint's names and shapes);
+- the dense tensor, when the patch would be larger (more than 1/3 of a bf16 tensor changed).
+
+Bits are compared, not values: -0.0 and 0.0 differ, and what the replica must end with is these bytes.
+Every tensor, sent or not, carries the xxh3-64 digest of its new bytes (`proto.tensor_push.digest_of`):
+the replica checks its result against each before the version serves, so a patch applied on other
+weights, or corrupted, is refused rather than served. A full push carries the same digests, and the
+digests' fingerprint (`proto.weights_fingerprint.digests_fingerprint`) names the version on both ends.
+
+Index compression (zstandard on the deltas of sorted indices) was measured and left out: see
+docs/benchmarks.md. Pure functions over CPU tensors; the publisher (stream.py) owns the state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from maskroll.proto.tensor_push import (
+    DENSE,
+    SAME,
+    SPARSE,
+    TensorSpec,
+    WeightsManifest,
+    digest_of,
+    index_bytes,
+)
+
+from .sharded import dtype_name
+
+# Integer views of each item size: bits compared with one integer compare per element.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def replica_copy(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The weights as the replicas hold them: CPU, contiguous, floating-point tensors cast to `dtype`
+    (None: kept as they are), a tensor shared under several names (a tied embedding) once, under its first
+    name in state-dict order (as Hugging Face checkpoints store it; the replicas tie it back)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    with torch.no_grad():
+        for name, t in state.items():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            if key in seen:
+                continue
+            seen.add(key)
+            cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            out[name] = t.detach().to("cpu", cast, copy=True).contiguous()
+    if not out:
+        raise ValueError("the state dict is empty: nothing to publish")
+    return out
+
+
+def raw(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes (CPU, contiguous): view(uint8) first, numpy has no bfloat16."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def digests(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """xxh3-64 of each tensor's bytes, in order (22 GB/s on one core: 12 ms for a 270 MB model)."""
+    return [digest_of(raw(t)) for t in tensors.values()]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A version as a delta: its manifest (every tensor, its encoding and digest) and the bytes to send
+    of each (None: nothing)."""
+
+    manifest: WeightsManifest
+    payloads: tuple[bytes | memoryview | None, ...]
+
+    def chunks(self, chunk_bytes: int) -> Iterator[tuple[int, int, bytes | memoryview]]:
+        """(tensor index, byte offset, bytes) of every sent tensor in order, at most `chunk_bytes` each."""
+        for index, data in enumerate(self.payloads):
+            if data is None:
+                continue
+            view = memoryview(data)
+            for offset in range(0, view.nbytes, chunk_bytes):
+                yield index, offset, view[offset : offset + chunk_bytes]
+
+
+def encode(
+    base: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    new_digests: list[str],
+    *,
+    version: int,
+    base_version: int,
+    run_id: str = "",
+) -> Delta:
+    """`new` as a delta on `base` (the same names, shapes and dtypes: two `replica_copy`s of one model).
+    ValueError if they differ in layout (a full push is then the only way)."""
+    import zlib
+
+    if list(base) != list(new):
+        raise ValueError("the new weights name other tensors than the base: a delta cannot carry them")
+    specs, payloads = [], []
+    for (name, old), t, digest in zip(base.items(), new.values(), new_digests, strict=True):
+        if old.shape != t.shape or old.dtype != t.dtype:
+            raise ValueError(
+                f"tensor {name!r} changed layout ({list(old.shape)} {old.dtype} -> "
+                f"{list(t.shape)} {t.dtype}): a delta cannot carry it"
+            )
+        dtype, numel, size = dtype_name(name, t.dtype), t.numel(), t.element_size()
+        changed = _changed(old, t)
+        k = int(changed.numel())
+        sparse_bytes = k * (index_bytes(numel) + size)
+        if k == 0:
+            data, spec = None, TensorSpec(name, dtype, tuple(t.shape), 0, 0, SAME, 0, digest)
+        elif sparse_bytes < numel * size:
+            idx = changed.to(torch.int32 if index_bytes(numel) == 4 else torch.int64)
+            values = t.reshape(-1)[changed]
+            data = idx.numpy().tobytes() + values.view(torch.uint8).numpy().tobytes()
+            spec = TensorSpec(name, dtype, tuple(t.shape), len(data), zlib.crc32(data), SPARSE, k, digest)
+        else:
+            data = raw(t)
+            spec = TensorSpec(name, dtype, tuple(t.shape), numel * size, zlib.crc32(data), DENSE, 0, digest)
+        specs.append(spec)
+        payloads.append(data)
+    manifest = WeightsManifest(version, tuple(specs), run_id=run_id, base_version=base_version)
+    return Delta(manifest, tuple(payloads))
+
+
+def _changed(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """int64 [k]: the flat positions (increasing) where the bits of `new` differ from `old`'s."""
+    bits = _BITS[new.element_size()]
+    if new.dtype == torch.bool:
+        old, new = old.view(torch.uint8), new.view(torch.uint8)
+    return torch.nonzero(old.reshape(-1).view(bits) != new.reshape(-1).view(bits)).reshape(-1)
