@@ -6,6 +6,7 @@ replicas, move the policy version on every replica, and leave no process behind 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -47,7 +48,8 @@ def test_short_demo_learns_across_processes_and_cleans_up(tmp_path):
     out = tmp_path / "demo"
     # A doubled learning rate: at the default (2e-3) eight steps moved held-out reward by 0.03–0.10, so
     # the learning check below failed about one run in ten on timing noise alone; at 4e-3 it is 0.08–0.16.
-    proc = _demo(out, *SHORT, "--lr", "4e-3")
+    # bf16 replicas, the weights pushed as deltas (the default) on the last version, verified on arrival
+    proc = _demo(out, *SHORT, "--lr", "4e-3", "--replica-dtype", "bfloat16")
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, log[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -66,6 +68,15 @@ def test_short_demo_learns_across_processes_and_cleans_up(tmp_path):
         summary["reward_after"],
     )
     assert summary["queue"]["acked"] == sum(6 * 6 for _ in steps)
+    # every update after version 0 reached both replicas as a delta; their weights are the trainer's
+    assert summary["weight_updates"] == {"delta": 16, "full": 0}
+    assert summary["replicas_match_trainer"] is True
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model" / "model.safetensors"), "pt") as f:  # the tied head stored once
+        numel = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (not a dict)
+    assert summary["model_bytes"] == 2 * numel  # bf16
+    assert 0 < summary["weight_bytes_per_update"] <= summary["model_bytes"] * 1.001
     assert (out / "demo.png").stat().st_size > 10_000
     for key in ("mask_frac", "divergence_mean", "mismatch_kl", "tokens_per_s", "agree_predictive_far"):
         assert key in steps[-1]
