@@ -55,11 +55,13 @@ class BroadcastError(RuntimeError):
 class ReplicaWeights:
     """What a replica serves: the run of its weights ("" = none yet: its starting weights) and version;
     on its starting weights, their fingerprint (proto/weights_fingerprint.py; "" when unknown).
-    Compared by run and version only."""
+    dtype: the dtype it holds the weights in (GetInfo's: "bfloat16", ...; "" when unknown). Compared by
+    run and version only."""
 
     run_id: str
     version: int
     fingerprint: str = field(default="", compare=False)
+    dtype: str = field(default="", compare=False)
 
 
 async def live_replicas(r: aioredis.Redis, keys: StreamKeys) -> list[ReplicaInfo]:

@@ -133,16 +133,16 @@ def lora_model(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     return peft.get_peft_model(model, config)
 
 
-def model_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+def model_bytes(model: torch.nn.Module) -> int:
     """The bytes of the full weights a full-model publish sends: the base's parameters (a LoRA model's
-    adapters left out), shared tensors counted once, floating-point ones in `dtype` (None: their own)."""
+    adapters left out), shared tensors counted once (the stream publisher's own figure, in the replicas'
+    dtype, replaces it: `weight_figures`)."""
     seen, total = set(), 0
     for name, p in model.named_parameters(remove_duplicate=True):
         if ".lora_" in name or p.data_ptr() in seen:
             continue
         seen.add(p.data_ptr())
-        size = torch.empty((), dtype=dtype).element_size() if dtype and p.is_floating_point() else None
-        total += p.numel() * (size or p.element_size())
+        total += p.numel() * p.element_size()
     return total
 
 
@@ -153,9 +153,9 @@ def stream_options(cfg: GRPOConfig, weight_transport: str) -> dict:
     return {"dtype": replica_dtype(cfg), "deltas": cfg.weight_deltas}
 
 
-def replica_dtype(cfg: GRPOConfig) -> torch.dtype | None:
-    """The dtype the trainer sends weights in: the replicas' (--replica-dtype), None for auto (its own)."""
-    return None if cfg.replica_dtype == "auto" else getattr(torch, cfg.replica_dtype)
+def replica_dtype(cfg: GRPOConfig) -> torch.dtype | str:
+    """The dtype the trainer sends weights in: --replica-dtype, or "auto": the one the replicas report."""
+    return "auto" if cfg.replica_dtype == "auto" else getattr(torch, cfg.replica_dtype)
 
 
 def weight_figures(publisher, queue) -> dict:
@@ -174,7 +174,9 @@ def weight_figures(publisher, queue) -> dict:
     if per_update is None:  # the directory transport, or no update yet: what one replica is sent whole
         per_update = getattr(inner, "last_update_bytes", None)
     seconds = getattr(inner, "update_seconds", None)
+    sent_bytes = getattr(inner, "model_bytes", None)
     return {
+        **({"model_bytes": sent_bytes} if sent_bytes else {}),  # as sent: in the replicas' dtype
         "weight_bytes_per_update": per_update,
         "weight_seconds_per_update": sum(seconds) / len(seconds) if seconds else None,
         "weight_updates": dict(getattr(inner, "updates", {})) or None,
@@ -420,7 +422,7 @@ def _train(
 
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    full_bytes = model_bytes(model, replica_dtype(cfg))
+    full_bytes = model_bytes(model)  # the publisher's figure replaces it: in the replicas' dtype
     if cfg.lora.enabled:
         model = lora_model(model, cfg.lora)
     model.to(data_parallel.device()).train()
@@ -588,6 +590,6 @@ def _train(
         "queue": queue_stats,
         "trainer_ranks": ranks,
         "lora_rank": cfg.lora.lora_rank,
-        "model_bytes": full_bytes,  # in the replicas' dtype
+        "model_bytes": full_bytes,
         **weights,
     }

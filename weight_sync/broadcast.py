@@ -107,7 +107,7 @@ async def weights_of_each(
         if adapter_namespace is not None:
             current = [a for a in info.adapters if a.namespace == adapter_namespace]
             return ReplicaWeights(current[0].run_id, current[0].version) if current else ReplicaWeights("", 0)
-        return ReplicaWeights(info.run_id, info.policy_version, info.weights_fingerprint)
+        return ReplicaWeights(info.run_id, info.policy_version, info.weights_fingerprint, info.dtype)
 
     return await _each(replicas, call, token=token, tls=tls, root_certs=root_certs)
 

@@ -125,8 +125,8 @@ def make_publisher(
         resume_from_base: a resumed run with no copy of its version under root publishes the model as a
             new version instead of refusing (default False).
         held: the (run id, version) the model already holds, from an earlier publisher's `held`.
-        dtype: the replicas' dtype (torch.bfloat16, "bfloat16"): weights cast to it and sent in it
-            (default None: the model's own).
+        dtype: the replicas' dtype (torch.bfloat16, "bfloat16"): weights cast to it and sent in it;
+            None: the model's own; "auto" (default): the one the live replicas report at start().
         deltas: "auto" (default): each version after the first as a delta on the last to the replicas
             serving it (delta.py), the full version to the others; "off": every version whole.
     "nccl" only (NcclPublisher; required: model, master_address, master_port):

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from maskroll.client import BroadcastError
+from maskroll.client import BroadcastError, ReplicaWeights
 from maskroll.proto.heap import trim_heap
 from maskroll.proto.run_record import STREAM_CHECKPOINT
 from maskroll.proto.safetensors_layout import safetensors_header
@@ -130,6 +130,16 @@ def _write(specs, tensors: Iterable[torch.Tensor], directory: Path) -> Path:
     return directory
 
 
+def _floating_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            dtype = False  # refused below
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch dtype (or its name), 'auto' or None: {dtype}")
+    return dtype
+
+
 class StreamPublisher:
     """Publishes versions of a model to the replicas behind `queue` through PushWeights.
 
@@ -158,8 +168,9 @@ class StreamPublisher:
             earlier publisher of the same model says (a trainer that reopens its queue in one process,
             such as TRL's evaluate after train): start() takes the model as that version.
         dtype: the replicas' dtype (e.g. torch.bfloat16, or its name): floating-point weights are cast
-            to it on the trainer, as the replicas would cast them, and sent in it (half the bytes of
-            float32); None sends the model's own dtype.
+            to it on the trainer, as the replicas would cast them (round to nearest even), and sent in it
+            (half the bytes of float32); None sends the model's own dtype; "auto" (the default) asks the
+            live replicas at start() (GetInfo) and takes the dtype they all report, else the model's.
         deltas: "auto" sends each version after the first as a delta on the last (delta.py: per tensor
             nothing, a sparse patch or the dense tensor, whichever is smallest, so never more than the
             full bytes) to the replicas that serve the last, the full version to the others; "off" sends
@@ -178,16 +189,14 @@ class StreamPublisher:
         follow_s: float | None = 5.0,
         resume_from_base: bool = False,
         held: tuple[str, int] | None = None,
-        dtype: torch.dtype | str | None = None,
+        dtype: torch.dtype | str | None = "auto",
         deltas: str = "auto",
     ) -> None:
         if deltas not in ("auto", "off"):
             raise ValueError(f"deltas must be 'auto' or 'off', got {deltas!r}")
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype.removeprefix("torch."), None)
-            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                raise ValueError("dtype must be a floating-point torch dtype (or its name) or None")
-        self.dtype, self.deltas = dtype, deltas
+        self._auto_dtype = dtype == "auto"
+        self.dtype = None if self._auto_dtype else _floating_dtype(dtype)
+        self.deltas = deltas
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         if chunk_bytes < 1:
@@ -243,6 +252,8 @@ class StreamPublisher:
         `<save_root>/v<v>` (PEFT's layout) into the model's adapter."""
         run = self.queue.run
         adapter = lora.is_lora(model)
+        if self._auto_dtype:
+            self.dtype = self._replicas_dtype()
         if run.version > 0:
             own = checkpoint_dir(self.save_root, run.version) if self.save_root else None
             if own is not None and own.exists():
@@ -278,6 +289,20 @@ class StreamPublisher:
         results = publish_first(self.publish, model)
         log.info("run %s starts at version 0: %s", run.run_id, results or "no live replica yet")
         return 0
+
+    def _replicas_dtype(self) -> torch.dtype | None:
+        """The one floating-point dtype every live replica reports holding its weights in, else None."""
+        try:
+            served = broadcast.replica_weights(self.queue)
+        except Exception as e:  # no replica reachable yet: the model's own dtype, as without auto
+            log.info("replicas' dtype unknown (%s: %s): the model's own is sent", type(e).__name__, e)
+            return None
+        names = {w.dtype for w in served.values() if isinstance(w, ReplicaWeights)}
+        dtype = getattr(torch, names.pop(), None) if len(names) == 1 else None
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            return None
+        log.info("the replicas hold %s weights: versions are cast to it and sent in it", dtype)
+        return dtype
 
     def _resume_as_new_version(self, model: torch.nn.Module, run) -> int:
         """resume_from_base: `model` (not version run.version) published as run.version + 1; recorded
@@ -426,6 +451,13 @@ class StreamPublisher:
         for r in pushed:
             self.updates[sent[r]] += 1
         self.update_bytes.append(self.last_sent_bytes / len(pushed))
+
+    @property
+    def model_bytes(self) -> int | None:
+        """The last version's full bytes as sent (the replicas' dtype, a tied tensor once); None for an
+        adapter (a LoRA run's model is its base) or before the first version."""
+        m = self._manifest
+        return None if m is None or m.adapter is not None else m.total_bytes
 
     @property
     def weight_bytes_per_update(self) -> float | None:

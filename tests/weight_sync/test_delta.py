@@ -1,5 +1,5 @@
 """Delta pushes for real: `maskroll serve --pull` replica processes (torch engine, bfloat16), one Redis and
-a float32 trainer model published by StreamPublisher(dtype=bfloat16). A delta reaches the replicas that
+a float32 trainer model published by StreamPublisher (dtype "auto": the replicas' bfloat16). A delta reaches the replicas that
 serve its base and leaves them bit for bit where a full push would (equal digests' fingerprints, equal
 tokens and logprobs for a fixed seed); a replica that missed a version, or joined late, is sent the full
 version; a patch corrupted past its CRC is refused by its digest, the replica serving on, and the trainer
@@ -80,8 +80,10 @@ def test_a_delta_leaves_replicas_bit_for_bit_where_a_full_push_would_and_a_late_
     url, reps = cluster
     with RolloutQueue(url, NS, run="new", batch_size=2) as q:
         _wait(q, 2)
-        with StreamPublisher(q, dtype=torch.bfloat16, follow_s=0.3, timeout=60) as pub:
+        # dtype "auto" (the default): the replicas say they hold bfloat16 weights, so the trainer casts
+        with StreamPublisher(q, follow_s=0.3, timeout=60) as pub:
             assert pub.start(model) == 0
+            assert pub.dtype == torch.bfloat16
             _step(model, 1)
             assert pub.publish(model) == {"rep-0": "ok", "rep-1": "ok"}
             assert pub.last_pushed == {"rep-0": "delta", "rep-1": "delta"}
