@@ -346,8 +346,7 @@ class MaskrollGRPOTrainer(GRPOTrainer):
                 trl_ranks.main_answer(self._collective, open_queue)
                 self._run_taken = True
                 # A reopened stream publisher is told what the model holds (it keeps no copy on disk).
-                stream = cfg.weight_transport == "stream"
-                extra = {"resume_from_base": cfg.resume_from_base, "held": self._held} if stream else {}
+                extra = cfg.publisher_options(self._held)
                 queue = None if self._source is None else self._source.broadcaster
                 self._publisher = make_publisher(
                     cfg.weight_transport,

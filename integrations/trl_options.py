@@ -12,7 +12,7 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from maskroll.client.runs import RunMode
 from maskroll.trainer_adapter.config import MaskConfig
@@ -50,6 +50,9 @@ class MaskrollConfig:
         the replicas were started with as `--weights-root` (a shared volume across machines). Default:
         "stream" with redis_url, "directory" with direct gRPC addresses (a push needs the run's registry).
     weights_root: see weight_transport.
+    weight_deltas: with the stream transport, "auto" pushes each version after the first as a sparse
+        delta on the last, in the replicas' dtype, checked by digest on arrival (docs/architecture.md flow
+        4); "off" pushes every version whole.
     mask: the trust-region mask (method, divergence, estimator, δ); its top-K divergences use the
         records' top-K logprobs.
     logprobs_k: K top-K logprobs per sampled token (the replicas' `--max-logprobs` bounds it).
@@ -78,6 +81,7 @@ class MaskrollConfig:
     replicas: tuple[str, ...] = ()
     weight_transport: CpuTransport | None = None
     weights_root: str | os.PathLike | None = None
+    weight_deltas: Literal["auto", "off"] = "auto"
     mask: MaskConfig = field(default_factory=MaskConfig)
     logprobs_k: int = 20
     max_staleness: int = 1
@@ -91,6 +95,13 @@ class MaskrollConfig:
     resume_from_base: bool = False
     rewards_from_records: bool = False
 
+    def publisher_options(self, held: tuple[str, int] | None) -> dict[str, Any]:
+        """make_publisher's keywords of this transport beyond the common ones: the stream's resume rule,
+        what the model holds (`held`, an earlier publisher's) and deltas."""
+        if self.weight_transport != "stream":
+            return {}
+        return {"resume_from_base": self.resume_from_base, "held": held, "deltas": self.weight_deltas}
+
     def __post_init__(self) -> None:
         if self.redis_url is None and not self.replicas:
             raise ValueError(
@@ -102,6 +113,8 @@ class MaskrollConfig:
             raise ValueError(
                 f"MaskrollConfig.weight_transport={self.weight_transport!r}; expected 'stream' or 'directory'"
             )
+        if self.weight_deltas not in ("auto", "off"):
+            raise ValueError(f"MaskrollConfig.weight_deltas={self.weight_deltas!r}; expected 'auto' or 'off'")
         if self.weight_transport == "stream" and self.redis_url is None:
             raise ValueError(
                 "MaskrollConfig.weight_transport='stream' needs redis_url: the push goes to the replicas of "
