@@ -25,6 +25,7 @@ docs/benchmarks.md. Pure functions over CPU tensors; the publisher (stream.py) o
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -50,19 +51,28 @@ def replica_copy(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -
     """The weights as the replicas hold them: CPU, contiguous, floating-point tensors cast to `dtype`
     (None: kept as they are), a tensor shared under several names (a tied embedding) once, under its first
     name in state-dict order (as Hugging Face checkpoints store it; the replicas tie it back)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
-    with torch.no_grad():
-        for name, t in state.items():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-            if key in seen:
-                continue
-            seen.add(key)
-            cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-            out[name] = t.detach().to("cpu", cast, copy=True).contiguous()
+    out = {name: _cast(t, dtype) for name, t in distinct(state).items()}
     if not out:
         raise ValueError("the state dict is empty: nothing to publish")
     return out
+
+
+def distinct(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` without the later names of a tensor shared under several (same storage, offset, layout)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if key not in seen:
+            seen.add(key)
+            out[name] = t
+    return out
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    with torch.no_grad():
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return t.detach().to("cpu", cast, copy=True).contiguous()
 
 
 def raw(t: torch.Tensor) -> memoryview:
@@ -75,13 +85,16 @@ def digests(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     return [digest_of(raw(t)) for t in tensors.values()]
 
 
+Payload = bytes | memoryview | None  # what is sent for one tensor (None: nothing)
+
+
 @dataclass(frozen=True)
 class Delta:
     """A version as a delta: its manifest (every tensor, its encoding and digest) and the bytes to send
     of each (None: nothing)."""
 
     manifest: WeightsManifest
-    payloads: tuple[bytes | memoryview | None, ...]
+    payloads: tuple[Payload, ...]
 
     def chunks(self, chunk_bytes: int) -> Iterator[tuple[int, int, bytes | memoryview]]:
         """(tensor index, byte offset, bytes) of every sent tensor in order, at most `chunk_bytes` each."""
@@ -104,35 +117,70 @@ def encode(
 ) -> Delta:
     """`new` as a delta on `base` (the same names, shapes and dtypes: two `replica_copy`s of one model).
     ValueError if they differ in layout (a full push is then the only way)."""
-    import zlib
+    _check_layout(base, {name: (t.shape, t.dtype) for name, t in new.items()})
+    parts = [
+        _one(name, old, t, digest)
+        for (name, old), t, digest in zip(base.items(), new.values(), new_digests, strict=True)
+    ]
+    return _delta(parts, version, base_version, run_id)
 
+
+def advance(
+    base: dict[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    *,
+    version: int,
+    base_version: int,
+    run_id: str = "",
+) -> Delta:
+    """`state` (the model's, as `replica_copy` would copy it) as a delta on `base`, each of `base`'s tensors
+    replaced by its new copy as soon as it is compared: `base` ends as the new version, and the trainer
+    never holds two copies of the model (one tensor, and the patches, beside the one). ValueError, with
+    `base` unchanged, if the layouts differ."""
+    state = distinct(state)
+    cast = {n: dtype if dtype is not None and t.is_floating_point() else t.dtype for n, t in state.items()}
+    _check_layout(base, {name: (t.shape, cast[name]) for name, t in state.items()})
+    parts = []
+    for name, t in state.items():
+        new = _cast(t, dtype)
+        parts.append(_one(name, base[name], new, digest_of(raw(new))))
+        base[name] = new  # the old copy goes now
+    return _delta(parts, version, base_version, run_id)
+
+
+def _check_layout(base: Mapping[str, torch.Tensor], new: Mapping[str, tuple]) -> None:
     if list(base) != list(new):
         raise ValueError("the new weights name other tensors than the base: a delta cannot carry them")
-    specs, payloads = [], []
-    for (name, old), t, digest in zip(base.items(), new.values(), new_digests, strict=True):
-        if old.shape != t.shape or old.dtype != t.dtype:
+    for name, old in base.items():
+        shape, dtype = new[name]
+        if old.shape != shape or old.dtype != dtype:
             raise ValueError(
-                f"tensor {name!r} changed layout ({list(old.shape)} {old.dtype} -> "
-                f"{list(t.shape)} {t.dtype}): a delta cannot carry it"
+                f"tensor {name!r} changed layout ({list(old.shape)} {old.dtype} -> {list(shape)} {dtype}): a "
+                "delta cannot carry it"
             )
-        dtype, numel, size = dtype_name(name, t.dtype), t.numel(), t.element_size()
-        changed = _changed(old, t)
-        k = int(changed.numel())
-        sparse_bytes = k * (index_bytes(numel) + size)
-        if k == 0:
-            data, spec = None, TensorSpec(name, dtype, tuple(t.shape), 0, 0, SAME, 0, digest)
-        elif sparse_bytes < numel * size:
-            idx = changed.to(torch.int32 if index_bytes(numel) == 4 else torch.int64)
-            values = t.reshape(-1)[changed]
-            data = idx.numpy().tobytes() + values.view(torch.uint8).numpy().tobytes()
-            spec = TensorSpec(name, dtype, tuple(t.shape), len(data), zlib.crc32(data), SPARSE, k, digest)
-        else:
-            data = raw(t)
-            spec = TensorSpec(name, dtype, tuple(t.shape), numel * size, zlib.crc32(data), DENSE, 0, digest)
-        specs.append(spec)
-        payloads.append(data)
-    manifest = WeightsManifest(version, tuple(specs), run_id=run_id, base_version=base_version)
-    return Delta(manifest, tuple(payloads))
+
+
+def _one(
+    name: str, old: torch.Tensor, t: torch.Tensor, digest: str
+) -> tuple[TensorSpec, bytes | memoryview | None]:
+    """One tensor's entry: (its spec, the bytes sent for it or None)."""
+    dtype, numel, size = dtype_name(name, t.dtype), t.numel(), t.element_size()
+    changed = _changed(old, t)
+    k = int(changed.numel())
+    if k == 0:
+        return TensorSpec(name, dtype, tuple(t.shape), 0, 0, SAME, 0, digest), None
+    if k * (index_bytes(numel) + size) < numel * size:
+        idx = changed.to(torch.int32 if index_bytes(numel) == 4 else torch.int64)
+        data = idx.numpy().tobytes() + t.reshape(-1)[changed].view(torch.uint8).numpy().tobytes()
+        return TensorSpec(name, dtype, tuple(t.shape), len(data), zlib.crc32(data), SPARSE, k, digest), data
+    data = raw(t)
+    return TensorSpec(name, dtype, tuple(t.shape), numel * size, zlib.crc32(data), DENSE, 0, digest), data
+
+
+def _delta(parts: list, version: int, base_version: int, run_id: str) -> Delta:
+    manifest = WeightsManifest(version, tuple(s for s, _ in parts), run_id=run_id, base_version=base_version)
+    return Delta(manifest, tuple(d for _, d in parts))
 
 
 def _changed(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

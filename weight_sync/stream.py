@@ -340,10 +340,13 @@ class StreamPublisher:
             base = self._tensors if self._delta_base_ok() else None
             base_version = self._manifest.version if base is not None else None
             self._tensors, self._written, self._manifest, self._delta = None, None, None, None
+            if base is not None:  # compared tensor by tensor, each old copy replaced by the new one
+                self._delta = self._advance(base, model, base_version, version)
             trim_heap()
-            self._remember_model(model, version)
-            if base is not None:
-                self._delta = self._encode(base, base_version, version)
+            if self._delta is not None:
+                self._remember(base, version)
+            else:
+                self._remember_model(model, version)
             del base
             if self.save_root is not None:  # before the push records the version: a resume finds it
                 out = checkpoint_dir(self.save_root, version)
@@ -395,19 +398,19 @@ class StreamPublisher:
         m = self._manifest
         return self.deltas == "auto" and self._tensors is not None and m is not None and m.adapter is None
 
-    def _encode(self, base: dict[str, torch.Tensor], base_version: int, version: int) -> delta.Delta | None:
+    def _advance(
+        self, base: dict[str, torch.Tensor], model, base_version: int, version: int
+    ) -> delta.Delta | None:
+        """`model` as a delta on `base` (which becomes the new version's copy); None when it cannot be
+        one (the model changed layout: `base` is then left as it was and dropped)."""
+        state = model.state_dict() if isinstance(model, torch.nn.Module) else model
         try:
-            d = delta.encode(
-                base,
-                self._tensors,
-                [t.digest for t in self._manifest.tensors],
-                version=version,
-                base_version=base_version,
-            )
-        except ValueError as e:  # the model changed layout: every replica is sent the full version
+            d = delta.advance(base, state, self.dtype, version=version, base_version=base_version)
+        except ValueError as e:  # every replica is sent the full version
             log.warning("version %d is sent whole: %s", version, e)
             return None
-        full, sent = self._manifest.total_bytes, d.manifest.total_bytes
+        full = sum(t.numel() * t.element_size() for t in base.values())
+        sent = d.manifest.total_bytes
         log.info(
             "version %d as a delta on %d: %.2f MB of %.2f MB (%.2f %%)",
             version,

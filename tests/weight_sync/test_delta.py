@@ -136,10 +136,10 @@ def test_a_patch_corrupted_past_its_crc_is_refused_by_its_digest_and_the_replica
     cluster, model, monkeypatch
 ):
     url, reps = cluster
-    encode = delta.encode
+    advance = delta.advance
 
     def corrupted(*args, **kwargs):  # one value of the first patch flipped, its CRC made to agree
-        d = encode(*args, **kwargs)
+        d = advance(*args, **kwargs)
         i = next(i for i, t in enumerate(d.manifest.tensors) if t.encoding == SPARSE)
         data = bytearray(d.payloads[i])
         data[-1] ^= 0x01
@@ -155,7 +155,7 @@ def test_a_patch_corrupted_past_its_crc_is_refused_by_its_digest_and_the_replica
         with StreamPublisher(q, dtype=torch.bfloat16, follow_s=None, timeout=30, held=held) as pub:
             pub.start(model)
             before = _sample({r.replica_id: r.address for r in q.replicas()}["rep-0"])
-            monkeypatch.setattr(delta, "encode", corrupted)
+            monkeypatch.setattr(delta, "advance", corrupted)
             _step(model, 4)
             assert pub.publish(model) == {"rep-0": "ok", "rep-1": "ok", "rep-2": "ok"}
             assert pub.last_pushed == {"rep-0": "full", "rep-1": "full", "rep-2": "full"}

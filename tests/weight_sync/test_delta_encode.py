@@ -74,3 +74,32 @@ def test_a_layout_change_cannot_be_a_delta():
         delta.encode(base, new, delta.digests(new), version=1, base_version=0)
     with pytest.raises(ValueError, match="other tensors"):
         delta.encode(base, {"v": torch.zeros(4)}, [""], version=1, base_version=0)
+
+
+def test_advance_replaces_the_base_tensor_by_tensor_and_sends_what_encode_sends():
+    g = torch.Generator().manual_seed(0)
+    emb = torch.nn.Parameter(torch.randn(16, 8, generator=g))
+    state = {"embed.weight": emb, "w": torch.randn(8, 8, generator=g), "head.weight": emb}
+    base = delta.replica_copy(state, torch.bfloat16)
+    old_ptrs = {n: t.data_ptr() for n, t in base.items()}
+    with torch.no_grad():
+        state["w"][0, :3] += 1.0  # 3 of 64 bf16 elements change
+    new = delta.replica_copy(state, torch.bfloat16)
+    expected = delta.encode(dict(base), new, delta.digests(new), version=2, base_version=1, run_id="r")
+    got = delta.advance(base, state, torch.bfloat16, version=2, base_version=1, run_id="r")
+    assert got.manifest == expected.manifest
+    assert [None if p is None else bytes(p) for p in got.payloads] == [
+        None if p is None else bytes(p) for p in expected.payloads
+    ]
+    assert [t.encoding for t in got.manifest.tensors] == [SAME, SPARSE]
+    # base is now the new version, in new tensors (the old copies were dropped one by one)
+    assert list(base) == ["embed.weight", "w"] and all(torch.equal(base[n], new[n]) for n in base)
+    assert all(base[n].data_ptr() != old_ptrs[n] for n in base)
+
+
+def test_advance_leaves_the_base_as_it_was_when_the_layout_changed():
+    base = delta.replica_copy({"w": torch.zeros(4)}, None)
+    before = base["w"]
+    with pytest.raises(ValueError, match="changed layout"):
+        delta.advance(base, {"w": torch.zeros(4)}, torch.bfloat16, version=1, base_version=0)
+    assert base["w"] is before
