@@ -15,6 +15,8 @@ memory) and a failing one records its error while the suite goes on:
                  GB/s, against the directory transport (bench/weights.py --engine vllm)
     nccl         the NCCL weight transfer, where two GPUs exist (bench/nccl_check.py); with one GPU the
                  section says so
+    sparse_nccl  the same through vLLM's sparse_nccl backend (nccl_check.py --backend sparse_nccl): the
+                 changed elements only, each patch checked to land where it was meant to; two GPUs too
     smollm2      the serving figures again on SmolLM2-135M when `maskroll init-model --from smollm2` can
                  make it (skipped, with the reason, when it cannot)
 
@@ -78,6 +80,9 @@ def sections(dry: bool) -> list[Section]:
             Section("nccl", "NCCL weight transfer (dry run: the device check only)",
                     py("nccl_check.py", "--layers", "1", "--hidden", "128", "--reps", "1"), DRY_LIMIT_S,
                     "nccl_figures", needs="2gpus"),
+            Section("sparse_nccl", "sparse NCCL weight transfer (dry run: the device check only)",
+                    py("nccl_check.py", "--backend", "sparse_nccl", "--layers", "1", "--hidden", "128",
+                       "--reps", "3"), DRY_LIMIT_S, "sparse_nccl_figures", needs="2gpus"),
             Section("smollm2", "SmolLM2-135M present (dry run: found, not converted or served)",
                     ["-c", "from maskroll.app.smollm2 import gguf_path; print(gguf_path())"], DRY_LIMIT_S,
                     "smollm2_found", needs="smollm2"),
@@ -94,6 +99,9 @@ def sections(dry: bool) -> list[Section]:
                 "weights_figures"),
         Section("nccl", "NCCL weight transfer, trainer on GPU 0, vLLM replica on GPU 1",
                 py("nccl_check.py", "--layers", "4", "--reps", "2"), 120, "nccl_figures", needs="2gpus"),
+        Section("sparse_nccl", "sparse NCCL weight transfer (vLLM's sparse_nccl), GPU 0 to GPU 1, 1 % moved",
+                py("nccl_check.py", "--backend", "sparse_nccl", "--layers", "4", "--reps", "3", "--port",
+                   "29618"), 150, "sparse_nccl_figures", needs="2gpus"),
         Section("smollm2", "vLLM on CUDA, SmolLM2-135M bfloat16, 32 x 128 tokens",
                 py("server.py", "--model", f"{SCRATCH}/smollm2", "--requests", "32", "--tokens", "128",
                    "--reps", "2", "--json"), 150, "serving_figures", needs="smollm2"),
@@ -150,6 +158,21 @@ def nccl_figures(stdout: str) -> dict:
     if not rates:
         raise RuntimeError(f"no GB/s line in the output: {stdout[-500:]!r}")
     return {"NCCL GB/s median": sorted(rates)[len(rates) // 2], "versions": len(rates)}
+
+
+def sparse_nccl_figures(stdout: str) -> dict:
+    """nccl_figures' and the elements each version sent; an error unless every restored output matched
+    (a patch that did not land where it was meant to)."""
+    if "restored output equals version 1's: True" not in stdout:
+        raise RuntimeError(f"the sparse patches did not restore version 1's output: {stdout[-500:]!r}")
+    figures = nccl_figures(stdout)
+    sent = [int(x) for x in re.findall(r"sent (\d+) elements", stdout)]
+    return {
+        "sparse NCCL effective GB/s median (model bytes / s)": figures["NCCL GB/s median"],
+        "versions": figures["versions"],
+        "elements sent, full version": sent[0],
+        "elements sent, sparse versions (median)": sorted(sent[1:])[len(sent[1:]) // 2],
+    }
 
 
 def smollm2_found(stdout: str) -> dict:
@@ -244,7 +267,7 @@ def run_section(s: Section, scratch: Path, dry: bool, limit_s: float) -> dict:
         if proc.returncode:
             raise RuntimeError(f"exit status {proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}")
         fn = globals()[s.figures]
-        if fn in (nccl_figures, smollm2_found):
+        if fn in (nccl_figures, sparse_nccl_figures, smollm2_found):
             row["figures"] = fn(proc.stdout)
         else:
             out = common.parse_json_output(proc.stdout)

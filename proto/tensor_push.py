@@ -202,11 +202,19 @@ class WeightsManifest:
             )
 
 
+# vLLM's weight-transfer backends a CollectiveSource may name (proto `CollectiveSource.backend`): "nccl" sends
+# every listed tensor whole, "sparse_nccl" (vLLM's sparse_nccl_engine.py) per tensor `changed` int32 flat
+# indices then their values, never packed. Both ends check against this one list.
+COLLECTIVE_BACKENDS = ("nccl", "sparse_nccl")
+SPARSE_NCCL = "sparse_nccl"
+
+
 @dataclass(frozen=True)
 class CollectiveSpec:
     """An UpdateWeights through an NCCL group (proto CollectiveSource): the trainer is rank 0 of
     `world_size` ranks, this replica's workers start at `rank_offset`. `init`: join the group (the
-    rendezvous at master_address:master_port) and load nothing; else receive `tensors`, in order."""
+    rendezvous at master_address:master_port) and load nothing; else receive `tensors`, in order. With
+    backend "sparse_nccl" each tensor's `changed` is how many (index, value) pairs are broadcast for it."""
 
     group_name: str
     master_address: str
@@ -216,3 +224,31 @@ class CollectiveSpec:
     init: bool = False
     tensors: tuple[TensorSpec, ...] = ()
     packed: bool = True
+    backend: str = "nccl"
+
+    def check(self) -> None:
+        """Raise ValueError naming what the receiver cannot take: an unknown backend, a packed sparse
+        broadcast, a sparse tensor with no pair, more pairs than elements or more elements than int32
+        indices reach, or pair counts on a dense broadcast."""
+        if self.backend not in COLLECTIVE_BACKENDS:
+            raise ValueError(
+                f"backend {self.backend!r} is not one of {', '.join(map(repr, COLLECTIVE_BACKENDS))}"
+            )
+        if self.backend != SPARSE_NCCL:
+            counted = [t.name for t in self.tensors if t.changed]
+            if counted:
+                raise ValueError(
+                    f"a {self.backend!r} broadcast sends tensors whole; {counted[:3]} carry counts"
+                )
+            return
+        if self.packed:
+            raise ValueError(
+                "a sparse_nccl broadcast is never packed (vLLM's sparse engine sends no buffers)"
+            )
+        for t in self.tensors:
+            if index_bytes(t.numel) != 4:  # vLLM's sparse engine receives int32 indices only
+                raise ValueError(f"tensor {t.name!r}: {t.numel} elements, past what int32 indices address")
+            if not 0 < t.changed <= t.numel:
+                raise ValueError(
+                    f"tensor {t.name!r}: a sparse_nccl patch of {t.changed} elements on {t.numel}"
+                )

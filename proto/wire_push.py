@@ -180,6 +180,7 @@ def collective_to_pb(c: CollectiveSpec) -> pb.CollectiveSource:
         init=c.init,
         tensors=[tensor_spec_to_pb(t) for t in c.tensors],
         packed=c.packed,
+        backend="" if c.backend == "nccl" else c.backend,
     )
 
 
@@ -201,4 +202,5 @@ def collective_from_pb(m: pb.UpdateWeightsRequest) -> CollectiveSpec | None:
         init=c.init,
         tensors=tuple(tensor_spec_from_pb(t) for t in c.tensors),
         packed=c.packed,
+        backend=c.backend or "nccl",  # "": what every trainer sent before the field existed
     )

@@ -20,7 +20,8 @@ weights, or corrupted, is refused rather than served. A full push carries the sa
 digests' fingerprint (`proto.weights_fingerprint.digests_fingerprint`) names the version on both ends.
 
 Index compression (zstandard on the deltas of sorted indices) was measured and left out: see
-docs/benchmarks.md. Pure functions over CPU tensors; the publisher (stream.py) owns the state.
+docs/benchmarks.md. Pure functions over CPU tensors; the publisher (stream.py) owns the state. The
+sparse_nccl sender (nccl_sparse.py) uses `replica_copy` and `changed_at` on the model's device.
 """
 
 from __future__ import annotations
@@ -47,11 +48,14 @@ from .sharded import dtype_name
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def replica_copy(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The weights as the replicas hold them: CPU, contiguous, floating-point tensors cast to `dtype`
-    (None: kept as they are), a tensor shared under several names (a tied embedding) once, under its first
-    name in state-dict order (as Hugging Face checkpoints store it; the replicas tie it back)."""
-    out = {name: _cast(t, dtype) for name, t in distinct(state).items()}
+def replica_copy(
+    state: Mapping[str, torch.Tensor], dtype: torch.dtype | None, device: torch.device | str | None = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The weights as the replicas hold them: contiguous copies on `device` (None: each tensor's own, as
+    the sparse_nccl sender keeps them, nccl_sparse.py), floating-point tensors cast to `dtype` (None: kept
+    as they are), a tensor shared under several names (a tied embedding) once, under its first name in
+    state-dict order (as Hugging Face checkpoints store it; the replicas tie it back)."""
+    out = {name: _cast(t, dtype, device) for name, t in distinct(state).items()}
     if not out:
         raise ValueError("the state dict is empty: nothing to publish")
     return out
@@ -69,10 +73,12 @@ def distinct(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def _cast(
+    t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str | None = "cpu"
+) -> torch.Tensor:
     with torch.no_grad():
         cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        return t.detach().to("cpu", cast, copy=True).contiguous()
+        return t.detach().to(t.device if device is None else device, cast, copy=True).contiguous()
 
 
 def raw(t: torch.Tensor) -> memoryview:
@@ -161,12 +167,10 @@ def _check_layout(base: Mapping[str, torch.Tensor], new: Mapping[str, tuple]) ->
             )
 
 
-def _one(
-    name: str, old: torch.Tensor, t: torch.Tensor, digest: str
-) -> tuple[TensorSpec, bytes | memoryview | None]:
+def _one(name: str, old: torch.Tensor, t: torch.Tensor, digest: str) -> tuple[TensorSpec, Payload]:
     """One tensor's entry: (its spec, the bytes sent for it or None)."""
     dtype, numel, size = dtype_name(name, t.dtype), t.numel(), t.element_size()
-    changed = _changed(old, t)
+    changed = changed_at(old, t)
     k = int(changed.numel())
     if k == 0:
         return TensorSpec(name, dtype, tuple(t.shape), 0, 0, SAME, 0, digest), None
@@ -183,8 +187,9 @@ def _delta(parts: list, version: int, base_version: int, run_id: str) -> Delta:
     return Delta(manifest, tuple(d for _, d in parts))
 
 
-def _changed(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """int64 [k]: the flat positions (increasing) where the bits of `new` differ from `old`'s."""
+def changed_at(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """int64 [k], on their device: the flat positions (increasing) where the bits of `new` differ from
+    `old`'s (same shape and dtype)."""
     bits = _BITS[new.element_size()]
     if new.dtype == torch.bool:
         old, new = old.view(torch.uint8), new.view(torch.uint8)

@@ -51,7 +51,9 @@ OPTIONS: dict[str, frozenset[str]] = {
     "stream": frozenset(
         {"keep", "require_all", "follow_s", "chunk_bytes", "resume_from_base", "held", "dtype", "deltas"}
     ),
-    "nccl": frozenset({"model", "master_address", "master_port", "tensor_parallel_size", "packed"}),
+    "nccl": frozenset(
+        {"model", "master_address", "master_port", "tensor_parallel_size", "packed", "backend", "dtype"}
+    ),
 }
 
 
@@ -99,6 +101,7 @@ def make_publisher(
     master_port: int | _Unset = UNSET,
     tensor_parallel_size: int | _Unset = UNSET,
     packed: bool | _Unset = UNSET,
+    backend: str | _Unset = UNSET,
 ) -> Publisher:
     """The publisher of `transport` for the replicas behind `queue` (a RolloutQueue; "directory" also
     takes a `directory.Fleet`, e.g. a fixed list of replicas with no queue).
@@ -126,14 +129,21 @@ def make_publisher(
             new version instead of refusing (default False).
         held: the (run id, version) the model already holds, from an earlier publisher's `held`.
         dtype: the replicas' dtype (torch.bfloat16, "bfloat16"): weights cast to it and sent in it;
-            None: the model's own; "auto" (default): the one the live replicas report at start().
+            None: the model's own; "auto" (default): the one the live replicas report at start(). (Also
+            "nccl"'s, with backend "sparse_nccl": below.)
         deltas: "auto" (default): each version after the first as a delta on the last to the replicas
             serving it (delta.py), the full version to the others; "off": every version whole.
     "nccl" only (NcclPublisher; required: model, master_address, master_port):
         model: the module whose parameters are sent (NCCL reads them in place).
         master_address, master_port: the NCCL group's rendezvous, reachable by every replica.
         tensor_parallel_size: each replica's vLLM workers (ranks per replica; default 1).
-        packed: vLLM's packed broadcast (default True).
+        packed: vLLM's packed broadcast (default True; backend "nccl" only).
+        backend: vLLM's weight-transfer backend, as the replicas' `weight_transfer_config` names it:
+            "nccl" (default: every parameter whole) or "sparse_nccl" (the elements whose bits changed
+            since the last version, nccl_sparse.py; not with an FSDP2 model, nor packed). "nccl_m2n" is
+            refused: not wired.
+        dtype: backend "sparse_nccl" only: the replicas' dtype, in which bits are compared and values sent
+            (torch.bfloat16 or its name; default None: the model's own; no "auto").
 
     A keyword that does not apply to `transport` raises ValueError naming it and the transport."""
     if transport not in TRANSPORTS:
@@ -156,6 +166,7 @@ def make_publisher(
             ("master_port", master_port),
             ("tensor_parallel_size", tensor_parallel_size),
             ("packed", packed),
+            ("backend", backend),
         )
         if value is not UNSET
     }

@@ -19,7 +19,13 @@ from `versions.py`. The group's world size is fixed at `connect()`: a replica th
 enter it; it finds that marker in the run record and starts on its own weights (server/weights/join.py)
 until the trainer forms a new group with it (or publishes through a StreamPublisher or the directory).
 Needs CUDA, NCCL and vLLM on the trainer; the replicas run the vLLM engine started with
-`--vllm-arg weight_transfer_config='{"backend": "nccl"}'`.
+`--vllm-arg weight_transfer_config='{"backend": "nccl"}'` (or the backend chosen below).
+
+Two of vLLM's backends (`backend=`, checked at construction by `nccl_sparse.check_backend`): "nccl"
+(the default) broadcasts every parameter whole, packed; "sparse_nccl" (nccl_sparse.py) only the elements
+whose bits changed since the last version, in the replicas' dtype (`dtype=`), keeping one copy of the
+last version on the model's device. The CollectiveSource names the backend, and each tensor's number of
+elements sent (`TensorSpec.changed`), so that the replica receives what is broadcast.
 
 A data-parallel trainer (issue 21) makes one NcclPublisher per rank (`rank`, through
 `make_publisher(..., collective=...)`: `ranked.RankedPublisher`): rank 0 is vLLM's sender (the NCCL
@@ -37,15 +43,17 @@ import torch
 
 from maskroll.client import ReplicaInfo
 from maskroll.proto.run_record import NCCL_CHECKPOINT
-from maskroll.proto.tensor_push import CollectiveSpec, TensorSpec
+from maskroll.proto.tensor_push import SPARSE_NCCL, CollectiveSpec, TensorSpec
 
+from . import nccl_sparse
 from .broadcast import collective_update
 from .versions import WeightSyncError, checked, next_version
 
 
 class GrpcWeightSyncClient:
     """vLLM's `VLLMWeightSyncClient` protocol over maskroll's UpdateWeights(collective) RPC, to every
-    replica at once. `version` is the version the next update_weights labels its weights with."""
+    replica at once. `version` is the version the next update_weights labels its weights with;
+    `backend` the vLLM backend the trainer sends with (the specs name it)."""
 
     def __init__(
         self,
@@ -58,8 +66,10 @@ class GrpcWeightSyncClient:
         token: str | None = None,
         tls: bool = False,
         root_certs: bytes | None = None,
+        backend: str = "nccl",
     ) -> None:
         self.replicas, self.tp, self.group_name = list(replicas), tensor_parallel_size, group_name
+        self.backend = backend
         self.run_id, self.timeout = run_id, timeout
         self._auth = {"token": token, "tls": tls, "root_certs": root_certs}
         self.version = 0
@@ -82,6 +92,7 @@ class GrpcWeightSyncClient:
                 init=init,
                 tensors=tensors,
                 packed=bool(self._init.get("packed", True)),
+                backend=self.backend,
             )
             for i in range(len(self.replicas))
         ]
@@ -106,10 +117,13 @@ class GrpcWeightSyncClient:
         """Nothing to do: each replica starts, receives and finishes within its one UpdateWeights."""
 
     def update_weights(self, update_info: dict) -> None:
+        names = update_info["names"]
+        # sparse_nccl's: the (index, value) pairs broadcast per tensor, which the replica must receive
+        counts = update_info.get("num_updates_list") or [0] * len(names)
         tensors = tuple(
-            TensorSpec(name=n, dtype=d, shape=tuple(s), nbytes=0)
-            for n, d, s in zip(
-                update_info["names"], update_info["dtype_names"], update_info["shapes"], strict=True
+            TensorSpec(name=n, dtype=d, shape=tuple(s), nbytes=0, changed=int(k))
+            for n, d, s, k in zip(
+                names, update_info["dtype_names"], update_info["shapes"], counts, strict=True
             )
         )
         self._call(self.version, self._specs(init=False, tensors=tensors))
@@ -130,6 +144,11 @@ class NcclPublisher:
     `queue` is a `maskroll.client.RolloutQueue` (its run record, policy version, replica registry and
     the replicas' credentials). The model is the one given here: NCCL sends its parameters in place,
     so start() and publish() take only that one (the Publisher protocol's argument).
+
+    backend: vLLM's weight-transfer backend, the replicas' `weight_transfer_config` ("nccl", or
+        "sparse_nccl": the changed elements only, nccl_sparse.py). dtype: sparse_nccl's replicas' dtype
+        (torch.bfloat16 or its name; None: the model's own), in which bits are compared and values sent.
+        packed: vLLM's packed broadcast, "nccl" only (None: packed for "nccl"; sparse_nccl never is).
     """
 
     def __init__(
@@ -140,20 +159,33 @@ class NcclPublisher:
         master_address: str,
         master_port: int,
         tensor_parallel_size: int = 1,
-        packed: bool = True,
+        packed: bool | None = None,
         timeout: float = 600.0,
         rank: int = 0,
+        backend: str = "nccl",
+        dtype: torch.dtype | str | None = None,
     ) -> None:
         if (rank == 0) == (queue is None):
             raise ValueError(f"rank {rank}: the queue is rank 0's, and only rank 0's (queue=None elsewhere)")
         from .lora import refuse_lora
 
         refuse_lora(model, "nccl")
-        self.queue, self.model, self.rank = queue, model, rank
-        self.master_address, self.master_port, self.packed = master_address, master_port, packed
+        nccl_sparse.check_backend(backend, model, packed=packed, dtype=dtype)
+        self.queue, self.model, self.rank, self.backend = queue, model, rank, backend
+        self.master_address, self.master_port = master_address, master_port
+        self.packed = backend != SPARSE_NCCL and packed is not False  # None: "nccl"'s default, packed
         self.tp, self.timeout = tensor_parallel_size, timeout
         self.client: GrpcWeightSyncClient | None = None
         self._engine = None
+        dtype = nccl_sparse.replicas_dtype(dtype)
+        # sparse_nccl: the last version sent, on rank 0, the only sender (the other ranks have no part in it)
+        sparse = backend == SPARSE_NCCL and rank == 0
+        self._base = nccl_sparse.SparseBase(dtype) if sparse else None
+
+    @property
+    def sent_elements(self) -> int | None:
+        """sparse_nccl: the elements the last publish broadcast (every one for a full patch); else None."""
+        return None if self._base is None else self._base.sent_elements
 
     @property
     def version(self) -> int:
@@ -180,20 +212,10 @@ class NcclPublisher:
 
     def connect(self) -> list[str]:
         """Form the group with the live replicas; returns their ids."""
-        from vllm.distributed.weight_transfer.base import ModuleSource
-        from vllm.distributed.weight_transfer.nccl_engine import (
-            NCCLTrainerInitInfo,
-            NCCLTrainerWeightTransferEngine,
-        )
-
-        if self.rank != 0:  # not in the NCCL group: this rank only joins the gathers of send_weights()
-            info = NCCLTrainerInitInfo(
-                master_address=self.master_address, master_port=self.master_port, world_size=1, rank=self.rank
-            )
-            self._engine = NCCLTrainerWeightTransferEngine.trainer_init(
-                info, client=None, source=ModuleSource(self.model)
-            )
-            return []
+        if self.rank != 0:  # not in the NCCL group
+            if self.backend != SPARSE_NCCL:  # this rank only joins the gathers of send_weights()
+                self._engine = self._dense_engine(None, world_size=1)
+            return []  # sparse_nccl: vLLM's sparse engine is sender-only, nothing to join
         replicas = self.queue.replicas()
         if not replicas:
             raise WeightSyncError(0, {}, {})
@@ -202,26 +224,42 @@ class NcclPublisher:
             tensor_parallel_size=self.tp,
             run_id=self.queue.run.run_id,
             timeout=self.timeout,
+            backend=self.backend,
             **self.queue.replica_auth,
         )
+        if self._base is None:
+            self._engine = self._dense_engine(self.client, world_size=self.client.world_size)
+        else:
+            self._base.forget()  # a new group: what its replicas hold is unknown, the next version is full
+            self._engine = nccl_sparse.trainer_engine(self.client, self.master_address, self.master_port)
+        return [r.replica_id for r in replicas]
+
+    def _dense_engine(self, client: GrpcWeightSyncClient | None, *, world_size: int):
+        """vLLM's "nccl" trainer engine over the model's parameters (rank 0: the sender, with `client`)."""
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.nccl_engine import (
+            NCCLTrainerInitInfo,
+            NCCLTrainerWeightTransferEngine,
+        )
+
         info = NCCLTrainerInitInfo(
             master_address=self.master_address,
             master_port=self.master_port,
-            world_size=self.client.world_size,
+            world_size=world_size,
             packed=self.packed,
-            rank=0,  # the sender (vLLM's TrainerInitInfo asks for it explicitly)
+            rank=self.rank,  # rank 0 is the sender (vLLM's TrainerInitInfo asks for it explicitly)
         )
-        self._engine = NCCLTrainerWeightTransferEngine.trainer_init(
-            info, client=self.client, source=ModuleSource(self.model)
+        return NCCLTrainerWeightTransferEngine.trainer_init(
+            info, client=client, source=ModuleSource(self.model)
         )
-        return [r.replica_id for r in replicas]
 
     def publish(self, model: torch.nn.Module | None = None, version: int | None = None) -> dict[str, str]:
         """Broadcast the model's parameters as `version` (default: the last + 1); {replica_id: "ok"}.
         `model`: the publisher's own (None means the same).
         Raises ValueError (nothing sent, nothing recorded) on a version that does not move the run
-        forward or a non-finite value; WeightSyncError if a replica of the group failed (the group is
-        then unusable: connect() again)."""
+        forward or a non-finite value (for sparse_nccl, also once cast to the replicas' dtype);
+        WeightSyncError if a replica of the group failed (the group is then unusable: connect() again;
+        with sparse_nccl the next version is sent full either way)."""
         self._own(model)
         version = next_version(self.version, version)
         bad = self.nonfinite()
@@ -240,14 +278,24 @@ class NcclPublisher:
 
     def send(self, version: int) -> dict[str, str]:
         """Rank 0: record `version` and broadcast the parameters to the group; the other ranks of a
-        data-parallel trainer: join the gathers (a sharded model) and return {}. Checks are publish()'s."""
+        data-parallel trainer: join the gathers (a sharded model) and return {}. Checks are publish()'s;
+        sparse_nccl's patches are built (and refused: ValueError) before the version is recorded."""
+        if self.rank != 0 and self.backend == SPARSE_NCCL:
+            return {}  # vLLM's sparse engine is sender-only
         if self._engine is None or (self.rank == 0 and self.client is None):
             raise RuntimeError("connect() (or start()) first")
         if self.rank != 0:
             self._engine.send_weights()
             return {}
+        patches = None if self._base is None else self._base.patches(dict(self.model.named_parameters()))
         self.queue.record_version(version, NCCL_CHECKPOINT)
         self.client.version = version
-        self._engine.send_weights()
+        if patches is None:
+            self._engine.send_weights()
+        else:
+            nccl_sparse.send(self._engine, patches)
         # Every replica of the group took part in the one broadcast: any failure already raised.
-        return checked(version, dict(self.client.results), require_all=True)
+        results = checked(version, dict(self.client.results), require_all=True)
+        if self._base is not None:
+            self._base.sent()  # only now may the next version be a sparse patch on this one
+        return results

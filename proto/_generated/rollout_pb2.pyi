@@ -246,7 +246,7 @@ class CheckpointSource(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class CollectiveSource(_message.Message):
-    __slots__ = ("group_name", "master_address", "master_port", "rank_offset", "world_size", "init", "tensors", "packed")
+    __slots__ = ("group_name", "master_address", "master_port", "rank_offset", "world_size", "init", "tensors", "packed", "backend")
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class CollectiveSource(_message.Message):
     INIT_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     group_name: str
     master_address: str
     master_port: int
@@ -263,7 +264,8 @@ class CollectiveSource(_message.Message):
     init: bool
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     packed: bool
-    def __init__(self, group_name: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., init: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., packed: _Optional[bool] = ...) -> None: ...
+    backend: str
+    def __init__(self, group_name: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., init: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., packed: _Optional[bool] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes", "crc32", "encoding", "changed", "digest")

@@ -1,6 +1,8 @@
 """The NCCL transport through vLLM's weight-transfer engine: runs bench/nccl_check.py, which broadcasts
-a model from a trainer rank (GPU 0) to a vLLM replica (GPU 1) and checks the replica serves each version.
-Needs two CUDA devices and vLLM with CUDA: skipped elsewhere, with the reason."""
+a model from a trainer rank (GPU 0) to a vLLM replica (GPU 1) and checks the replica serves each version,
+with vLLM's "nccl" backend (every parameter whole) and its "sparse_nccl" one (the changed elements only,
+weight_sync/nccl_sparse.py: version 3 undoes version 2's patch, so the replica must answer as at version
+1). Needs two CUDA devices and vLLM with CUDA: skipped elsewhere, with the reason."""
 
 from __future__ import annotations
 
@@ -23,18 +25,35 @@ def _cuda_devices() -> int:
         return 0
 
 
-@pytest.mark.skipif(
+needs_two_gpus = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None or _cuda_devices() < 2,
     reason="NCCL weight transfer needs vLLM and two CUDA devices (trainer and replica ranks on two GPUs)",
 )
-def test_nccl_broadcast_reaches_a_vllm_replica_and_bumps_its_version():
+
+
+def _check(*args: str) -> str:
     script = Path(__file__).resolve().parents[2] / "bench" / "nccl_check.py"
     out = subprocess.run(
-        [sys.executable, str(script), "--layers", "2", "--hidden", "1024", "--reps", "2"],
+        [sys.executable, str(script), "--layers", "2", "--hidden", "1024", *args],
         capture_output=True,
         text=True,
         timeout=1800,
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    assert "version 2:" in out.stdout and "replica at 2" in out.stdout
-    assert "output changed: True" in out.stdout
+    return out.stdout
+
+
+@needs_two_gpus
+def test_nccl_broadcast_reaches_a_vllm_replica_and_bumps_its_version():
+    stdout = _check("--reps", "2")
+    assert "version 2:" in stdout and "replica at 2" in stdout
+    assert "output changed: True" in stdout
+
+
+@needs_two_gpus
+def test_sparse_nccl_patches_land_exactly_on_a_vllm_replica():
+    stdout = _check("--backend", "sparse_nccl", "--reps", "3", "--port", "29618")
+    for v in (1, 2, 3):
+        assert f"version {v}:" in stdout and f"replica at {v}, sent" in stdout, stdout[-2000:]
+    assert "output changed: True" in stdout
+    assert "restored output equals version 1's: True" in stdout, stdout[-2000:]
