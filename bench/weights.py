@@ -22,6 +22,13 @@ steady state is the replica's RSS just before it. Target (issue 13): peak - stea
     python bench/weights.py --replicas 1 --baseline /tmp/base   # old tree vs this one, interleaved
 
 Seconds are median / min / max over the repetitions, with the 1-minute load average at start and end.
+
+Every push here is a full one. The delta study (issue 36: versions after the first sent as sparse patches
+on the last, bf16 replicas, real optimiser steps; trainer egress against N; compressing the patch
+indices) is bench/weights_delta.py:
+
+    python bench/weights_delta.py --part grpo --out /tmp/wd      # SmolLM2, GRPO, lr 1e-6 / 1e-5 / 1e-4
+    python bench/weights_delta.py --part egress --out /tmp/wd    # N = 1, 2, 4: full vs delta egress
 """
 
 from __future__ import annotations
