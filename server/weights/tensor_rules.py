@@ -146,6 +146,23 @@ def directory_layouts(directory: Path) -> dict[str, Layout]:
     return file_layouts([(str(p), str(p)) for p in sorted(Path(directory).glob("*.safetensors"))])
 
 
+def tied_storage(model_dir: Path) -> dict[str, str]:
+    """`compare`'s storage map of a model whose config ties the output head to the input embedding
+    (`tie_word_embeddings`, as SmolLM2): its files may store `lm_head.weight` beside the embedding, but a
+    push carries the shared tensor once (weight_sync/delta.replica_copy) and the engine ties it back."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not config.get("tie_word_embeddings", False):
+        return {}
+    names = directory_layouts(model_dir)
+    shared = [n for n in names if n.endswith("lm_head.weight") or n.endswith("embed_tokens.weight")]
+    return {n: "tied embedding" for n in shared} if len(shared) == 2 else {}
+
+
 def check_adapter(
     spec: Any, tensors: Mapping[str, Any], base_layouts: Mapping[str, Layout], *, max_rank: int
 ) -> None:
@@ -223,7 +240,7 @@ def check_checkpoint(
         new = file_layouts(paths, check_finite=True, served_dtype=dtype)
     if not new:
         raise FileNotFoundError(f"no tensors in {checkpoint}")
-    m = compare(new, directory_layouts(reference_dir))
+    m = compare(new, directory_layouts(reference_dir), storage=tied_storage(reference_dir))
     if m:
         kinds = f", wrong dtype (floating point or not) {m.wrong_dtype[:5]}" if m.wrong_dtype else ""
         raise ValueError(

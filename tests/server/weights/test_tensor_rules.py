@@ -141,3 +141,25 @@ def test_check_checkpoint_applies_the_weight_rules(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError):
         check_checkpoint(tmp_path / "empty", ref)
+
+
+def test_a_push_of_a_tied_model_carries_the_shared_tensor_once(tmp_path: Path) -> None:
+    """A model whose config ties the head to the embedding (SmolLM2) may store both; a push sends one."""
+    import json
+
+    from safetensors.torch import save_file
+
+    def write(name: str, tensors: dict, tied: bool | None = None) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"))
+        if tied is not None:
+            (d / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
+        return d
+
+    both = {"model.embed_tokens.weight": torch.zeros(8, 2), "lm_head.weight": torch.zeros(8, 2)}
+    pushed = write("pushed", {"model.embed_tokens.weight": torch.ones(8, 2)})
+    check_checkpoint(pushed, write("tied", both, tied=True))
+    for name, tied in (("untied", False), ("no-config", None)):  # two tensors of their own: both needed
+        with pytest.raises(ValueError, match="missing \\['lm_head.weight'\\]"):
+            check_checkpoint(pushed, write(name, both, tied=tied))
