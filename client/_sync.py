@@ -31,6 +31,9 @@ class LoopThread:
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        if self.loop.is_closed():  # closed: the coroutine is never run (nor left unawaited)
+            coro.close()
+            raise RuntimeError("closed: its event loop thread has stopped")
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result(timeout)

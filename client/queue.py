@@ -376,6 +376,11 @@ class RolloutQueue:
         """Nothing to do: the sync queue is opened (run taken up) by its constructor."""
         return self
 
+    @property
+    def closed(self) -> bool:
+        """close() was called: nothing runs on the queue's loop any more."""
+        return self._loop.loop.is_closed()
+
     def close(self, cancel_jobs: bool = False) -> None:
         """Close the Redis connection and the event loop thread; cancel_jobs: first cancel the
         submitted jobs no replica has started."""

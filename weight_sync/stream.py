@@ -572,6 +572,8 @@ class StreamPublisher:
 
     def _follow(self, period: float) -> None:
         while not self._stop.wait(period):
+            if getattr(self.queue, "closed", False):  # the trainer closed it without close(): done
+                return
             try:
                 results = self.catch_up()
             except Exception as e:  # a closed queue, Redis away: the next round tries again
