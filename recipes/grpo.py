@@ -166,7 +166,7 @@ def weight_figures(publisher, queue) -> dict:
     fingerprint = getattr(inner, "fingerprint", "")
     match = None
     if fingerprint and queue is not None:
-        from maskroll.weight_sync.broadcast import replica_weights
+        from maskroll.weight_sync import replica_weights
 
         served = replica_weights(queue)
         match = bool(served) and all(getattr(w, "fingerprint", None) == fingerprint for w in served.values())

@@ -124,7 +124,8 @@ ONLY_IN: dict[tuple[str, str], set[str]] = {
     ("recipes", "trl"): {"recipes/trl_grpo.py"},  # the TRL twin of the GRPO recipe
     ("recipes", "datasets"): {"recipes/trl_grpo.py"},
     ("weight_sync", "peft"): {"weight_sync/lora.py"},  # LoRA adapters: PEFT's names and layers, in one place
-    ("weight_sync", "vllm"): {"weight_sync/nccl.py"},  # the NCCL trainer engine: the nccl transport's end
+    # the NCCL trainer engines: the nccl transport's end, dense and sparse_nccl
+    ("weight_sync", "vllm"): {"weight_sync/nccl.py", "weight_sync/nccl_sparse.py"},
     ("recipes", "peft"): {"recipes/grpo.py"},  # get_peft_model when GRPOConfig.lora is on
 }
 

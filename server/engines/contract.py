@@ -231,7 +231,8 @@ class WeightCapabilities:
     # a push is spooled to a file and loaded as a directory
     tensors: bool = False
     nccl: bool = False  # init_weight_transfer + update_weights_collective: NCCL broadcasts (GPUs)
-    # apply_weight_patches: a delta push applied in place (no reload, no second copy of the weights), each
+    # apply_weight_patches: a delta push applied in place (no full reload, no second copy of the weights in
+    # memory: the torch engine writes the changed elements, vLLM reloads the layers they touch), each
     # tensor's result checked against its digest before the version serves
     patches: bool = False
 

