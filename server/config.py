@@ -95,6 +95,8 @@ def vllm_arg_problem(name: str) -> str | None:
         return f"{name!r} is not a vLLM engine argument name (lower_case_with_underscores)"
     if name in MASK_CONTRACT_ARGS:
         return f"{name!r} is fixed by maskroll (the mask contract: processed logprobs over token ids)"
+    if name == "worker_extension_cls":  # the workers' reload of pushed weights (engines/vllm_weights.py)
+        return f"{name!r} is fixed by maskroll (its workers reload pushed weights and deltas through it)"
     if name in OWN_FLAG_ARGS:
         return f"{name!r} has its own setting: use {OWN_FLAG_ARGS[name]}"
     return None
