@@ -9,11 +9,16 @@ made tied, then:
 
 1. a full update from a directory holding the new weights (both names), twice, and back to the start:
    vLLM's outputs for a seed repeat exactly (the comparison below can fail only on the weights);
-2. the same weights as a delta (2000 elements of the embedding): tokens and logprobs equal the full
-   update's, bit for bit;
+2. the same weights as a delta (2000 elements of the embedding; with --model, a share of every tensor):
+   tokens and logprobs equal the full update's, bit for bit;
 3. a full reload of the delta's own file (no `lm_head.weight` in it): equal again.
 
     python bench/vllm_tied_delta.py [--dtype float32|bfloat16]
+    python bench/vllm_tied_delta.py --model DIR --dtype bfloat16 --fraction 0.02   # e.g. SmolLM2's directory
+
+With --model (a tied model directory, as `maskroll init-model --from smollm2` writes it) the delta moves
+`--fraction` of the elements of every floating-point tensor instead (an RL step's kind of delta: every
+layer, most elements unchanged).
 
 Prints one line per check and exits 1 if any fails.
 """
@@ -32,6 +37,8 @@ from pathlib import Path
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--model", type=Path, help="a tied model directory (default: the tiny model, made tied)")
+    p.add_argument("--fraction", type=float, default=0.02, help="with --model: elements moved per tensor")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="vllm-tied-delta-"))
     for key, sub in (
@@ -54,13 +61,19 @@ def main() -> int:
     from maskroll.server.engines.contract import EngineRequest, SamplingParams, WeightPatch
     from maskroll.server.engines.vllm_engine import VllmEngine
 
-    model = init_model(root / "tied", seed=0)
-    config = json.loads((model / "config.json").read_text())
-    config["tie_word_embeddings"] = True
-    (model / "config.json").write_text(json.dumps(config))
-    state = load_file(str(model / "model.safetensors"))
-    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # tied: equal, stored twice
-    save_file(state, str(model / "model.safetensors"))
+    if args.model is None:
+        model = init_model(root / "tied", seed=0)
+        config = json.loads((model / "config.json").read_text())
+        config["tie_word_embeddings"] = True
+        (model / "config.json").write_text(json.dumps(config))
+        state = load_file(str(model / "model.safetensors"))
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # tied: equal, stored twice
+        save_file(state, str(model / "model.safetensors"))
+    else:
+        model = args.model.resolve()
+        state = {}
+        for f in sorted(model.glob("*.safetensors")):
+            state.update(load_file(str(f)))
     engine = VllmEngine(
         model, max_logprobs=5, config=EngineConfig(enforce_eager=True, seed=0, dtype=args.dtype)
     )
@@ -83,8 +96,16 @@ def main() -> int:
             new = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
             emb = new["model.embed_tokens.weight"]
             g = torch.Generator().manual_seed(0)
-            idx = torch.randperm(emb.numel(), generator=g)[:2000].sort().values.to(torch.int32)
-            emb.view(-1)[idx.long()] += (torch.randn(2000, generator=g) * 0.5).to(dtype)
+            moved = [n for n, t in new.items() if t.is_floating_point() and n != "lm_head.weight"]
+            if args.model is None:
+                moved = ["model.embed_tokens.weight"]
+            patches = []
+            for name in moved:
+                t = new[name].view(-1)
+                k = 2000 if args.model is None else max(1, int(args.fraction * t.numel()))
+                idx = torch.randperm(t.numel(), generator=g)[:k].sort().values.to(torch.int32)
+                t[idx.long()] = (t[idx.long()].float() * (1 + 0.5 * torch.randn(k, generator=g))).to(dtype)
+                patches.append(WeightPatch(name, tuple(new[name].shape), t[idx.long()].clone(), idx))
             new["lm_head.weight"] = emb.clone()
             full_dir = root / "full"
             full_dir.mkdir()
@@ -99,10 +120,7 @@ def main() -> int:
                 k: digest_of(v.contiguous().view(-1).view(torch.uint8).numpy()) for k, v in new.items()
             }
             del digests["lm_head.weight"]  # sent once, under the embedding's name
-            patch = WeightPatch(
-                "model.embed_tokens.weight", tuple(emb.shape), emb.view(-1)[idx.long()].clone(), idx
-            )
-            await engine.apply_weight_patches(4, [patch], digests, "the delta")
+            await engine.apply_weight_patches(4, patches, digests, "the delta")
             delta = await sample()
             await engine.update_weights(5, engine._weights_dir)
             reloaded = await sample()
