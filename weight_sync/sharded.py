@@ -40,7 +40,7 @@ import torch
 
 from maskroll.proto.heap import trim_heap
 from maskroll.proto.safetensors_layout import TORCH_NAMES, safetensors_header
-from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES, TensorSpec, WeightsManifest
+from maskroll.proto.tensor_push import DEFAULT_CHUNK_BYTES, TensorSpec, WeightsManifest, digest_of
 from maskroll.proto.weights_fingerprint import sample_indices, weights_fingerprint
 
 from .checkpoint import CHECKPOINT_FILE
@@ -159,7 +159,8 @@ def write_gathered(
     """Gather `model` one tensor at a time and, where `path` is given (rank 0 only), write it there as one
     safetensors file (under a temporary name, renamed when complete: a reader never sees half a file).
     Every rank of the model's mesh calls it; the ranks with `path=None` only join the gathers and get
-    None. Returns the file, its manifest (as `version`, with a CRC-32 per tensor) and the fingerprint.
+    None. Returns the file, its manifest (as `version`, with a CRC-32 and an xxh3 digest per tensor) and the
+    fingerprint.
     A file that cannot be written (a full disk) raises OSError on the writer only, after the last
     gather: the other ranks are never left waiting in one (the caller broadcasts the outcome)."""
     state = state_of(model)
@@ -170,7 +171,7 @@ def write_gathered(
         return None
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    crcs, items, seen = [], [], set()
+    crcs, sums, items, seen = [], [], [], set()
     keys = [_storage_key(t) for t in state.values()]
     error: BaseException | None = None
     f = None
@@ -194,6 +195,7 @@ def write_gathered(
                 error = e
                 continue
             crcs.append(zlib.crc32(raw))
+            sums.append(digest_of(raw))  # what the replica checks it loaded (xxh3: 22 GB/s)
             if full.is_floating_point() and key not in seen:
                 seen.add(key)
                 idx = torch.from_numpy(sample_indices(full.numel()))
@@ -208,7 +210,8 @@ def write_gathered(
         raise error
     os.replace(tmp, path)
     tensors = tuple(
-        TensorSpec(s.name, s.dtype, s.shape, s.nbytes, c) for s, c in zip(specs, crcs, strict=True)
+        TensorSpec(s.name, s.dtype, s.shape, s.nbytes, c, digest=d)
+        for s, c, d in zip(specs, crcs, sums, strict=True)
     )
     return WrittenVersion(path, WeightsManifest(version=version, tensors=tensors), weights_fingerprint(items))
 
@@ -276,7 +279,14 @@ def read_written(path: str | os.PathLike, version: int) -> WrittenVersion:
             t = f.get_tensor(name).contiguous()
             raw = _raw(t)
             specs.append(
-                TensorSpec(name, dtype_name(name, t.dtype), tuple(t.shape), raw.nbytes, zlib.crc32(raw))
+                TensorSpec(
+                    name,
+                    dtype_name(name, t.dtype),
+                    tuple(t.shape),
+                    raw.nbytes,
+                    zlib.crc32(raw),
+                    digest=digest_of(raw),
+                )
             )
             key = (header[name]["data_offsets"][0], tuple(t.shape))
             if t.is_floating_point() and key not in seen:

@@ -130,6 +130,13 @@ def _write(specs, tensors: Iterable[torch.Tensor], directory: Path) -> Path:
     return directory
 
 
+def _fingerprint_of(manifest: WeightsManifest) -> str:
+    """The digests' fingerprint of a manifest whose every tensor has one; "" otherwise."""
+    if not manifest.verified or manifest.adapter is not None:
+        return ""
+    return digests_fingerprint((t.name, t.digest) for t in manifest.tensors)
+
+
 def _floating_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
@@ -380,7 +387,7 @@ class StreamPublisher:
         with self._lock:
             before = self._written
             self._tensors, self._written, self._manifest = None, written, written.manifest
-            self._delta, self.fingerprint = None, ""
+            self._delta, self.fingerprint = None, _fingerprint_of(written.manifest)
             self.held = (self.queue.run.run_id, version)
             self.last_update_bytes = written.manifest.total_bytes
             if version == 0:
@@ -512,7 +519,7 @@ class StreamPublisher:
         manifest = manifest_of(tensors, version, digests=adapter is None)
         if adapter is not None:  # applied on the replicas' base, for the queue's namespace
             manifest = replace(manifest, adapter=adapter, namespace=self.queue.namespace)
-        self.fingerprint = digests_fingerprint((t.name, t.digest) for t in manifest.tensors if t.digest)
+        self.fingerprint = _fingerprint_of(manifest)
         self._tensors, self._manifest = tensors, manifest
         self._written = None
         self.held = (self.queue.run.run_id, version)
@@ -553,7 +560,7 @@ class StreamPublisher:
         the follower sends, instead of a snapshot; nothing is recorded or pushed here (catch_up does)."""
         with self._lock:
             self._tensors, self._written, self._manifest = None, written, written.manifest
-            self._delta, self.fingerprint = None, ""
+            self._delta, self.fingerprint = None, _fingerprint_of(written.manifest)
             self.held = (self.queue.run.run_id, written.manifest.version)
 
     def _chunks(self) -> Iterator[tuple[int, int, memoryview | bytes]]:

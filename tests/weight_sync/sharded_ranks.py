@@ -159,6 +159,11 @@ def main() -> None:
         "shard_bytes": shard_bytes,
         "largest_param_bytes": largest,
     }
+    if q is not None and args.transport == "stream":  # the replicas' fingerprints against the trainer's
+        from maskroll.weight_sync import replica_weights
+
+        report["fingerprint"] = getattr(pub.inner, "fingerprint", "")
+        report["replica_fingerprints"] = {r: w.fingerprint for r, w in replica_weights(q).items()}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
     pub.close()
     if q is not None:

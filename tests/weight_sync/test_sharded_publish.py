@@ -139,6 +139,10 @@ def test_two_ranks_publish_exactly_the_full_state_dict_to_a_real_replica(
     assert [(r["start_version"], r["version"]) for r in reports] == [(0, 1), (0, 1)]
     assert reports[0]["results"] == reports[1]["results"] == {"rep-0": "ok"}
     _assert_exact(engine, tmp_path / "reference_v1.safetensors")
+    if mode != "fsdp-directory":  # the stream: every tensor digested, the replica checked them all
+        fingerprint = reports[0]["fingerprint"]
+        assert fingerprint.startswith("wxh1:")
+        assert reports[0]["replica_fingerprints"] == {"rep-0": fingerprint}
     # the trainer's resume copy is the checkpoint layout, kept versions only (keep=2: v0 and v1)
     assert sorted(p.name for p in root.iterdir()) == ["v0", "v1"]
     assert sorted(p.name for p in (root / "v1").iterdir()) == ["model.safetensors"]
@@ -231,7 +235,7 @@ if coll.rank == 0:
     back = load_file(str(w.path))
     assert list(back) == list(full) or set(back) == set(full)
     assert all(torch.equal(back[k], full[k]) for k in full)
-    assert w.manifest == manifest_of({k: v.contiguous() for k, v in full.items()}, 1)
+    assert w.manifest == manifest_of({k: v.contiguous() for k, v in full.items()}, 1, digests=True)
     again = read_written(w.path, 1)
     assert again.manifest == w.manifest and again.fingerprint == w.fingerprint
     from maskroll.weight_sync.model_fingerprint import model_fingerprint
