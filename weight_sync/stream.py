@@ -1,10 +1,14 @@
 """StreamPublisher: new policy versions pushed to every live replica over gRPC (PushWeights), with no
 shared filesystem between the trainer and the replicas.
 
-One call per version: the model's state dict is snapshotted to CPU (the trainer keeps this one copy:
-it is what a replica that joins or restarts later is sent), described by a manifest (names, safetensors
-dtypes, shapes, sizes, a CRC-32 per tensor) and streamed to every live replica in parallel in chunks of
-`chunk_bytes`, a timeout each (`broadcast.push_weights`). The run record in Redis gets the version
+One call per version: the model's state dict is copied to CPU in the replicas' dtype (`dtype`, "auto":
+the one they report; a tied tensor once: `delta.replica_copy`), the trainer's one copy, what a replica
+that joins or restarts later is sent; described by a manifest (names, safetensors dtypes, shapes, sizes,
+a CRC-32 and an xxh3 digest per tensor) and streamed to every live replica in parallel in chunks of
+`chunk_bytes`, a timeout each (`broadcast.push_weights`). With `deltas="auto"` (the default) every version
+after the first goes as a delta on the last (delta.py) to the replicas that serve the last, whole to the
+others and to any that refuse it; a replica checks every tensor's digest before the version serves, and
+`fingerprint` (the digests') is then its GetInfo weights fingerprint. The run record in Redis gets the version
 with `checkpoint = "stream"` (`run_record.STREAM_CHECKPOINT`): a replica that starts while the run is at
 version v > 0 registers and waits (server/weights/join.py); the publisher's follower thread sees it
 serving other weights within `follow_s` and pushes it the current version. With `save_root`, each version
