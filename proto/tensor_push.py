@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .safetensors_layout import ITEM_SIZES
+from .weights_fingerprint import digests_fingerprint
 
 # A chunk rides in one gRPC message, which the replica caps (--max-message-bytes, 16 MiB by default).
 # 4 MiB: large enough that the per-message cost is noise next to the bytes (1 MiB costs 5-10 % more CPU
@@ -169,6 +170,15 @@ class WeightsManifest:
     def verified(self) -> bool:
         """Every tensor carries the digest of its result: the replica checks them all once applied."""
         return all(t.digest for t in self.tensors)
+
+    @property
+    def digests_fingerprint(self) -> str:
+        """The version's weights fingerprint by its digests (`weights_fingerprint.digests_fingerprint`),
+        the same on the trainer and on a replica that checked them; "" unless every tensor of full
+        weights has one."""
+        if not self.verified or self.adapter is not None:
+            return ""
+        return digests_fingerprint((t.name, t.digest) for t in self.tensors)
 
     def check(self, max_bytes: int | None = None) -> None:
         """Raise ValueError if the manifest is empty, names a tensor twice, has an inconsistent tensor, a

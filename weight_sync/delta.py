@@ -46,7 +46,7 @@ from maskroll.proto.tensor_push import (
     index_bytes,
 )
 
-from .sharded import dtype_name
+from .sharded import dtype_name, raw
 
 # Integer views of each item size: bits compared with one integer compare per element.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -77,17 +77,27 @@ def distinct(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def floating_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A publisher's `dtype=` (the replicas'): a floating-point torch dtype, its name ("bfloat16",
+    "torch.bfloat16"), or None (the model's own); ValueError for anything else."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch dtype (or its name) or None: {dtype!r}")
+    return dtype
+
+
+def _held_as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the replicas hold `t` in: `dtype` for a floating-point tensor (None: its own)."""
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
 def _cast(
     t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str | None = "cpu"
 ) -> torch.Tensor:
     with torch.no_grad():
-        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        return t.detach().to(t.device if device is None else device, cast, copy=True).contiguous()
-
-
-def raw(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes (CPU, contiguous): view(uint8) first, numpy has no bfloat16."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        target = t.device if device is None else device
+        return t.detach().to(target, _held_as(t, dtype), copy=True).contiguous()
 
 
 def digests(tensors: Mapping[str, torch.Tensor]) -> list[str]:
@@ -149,8 +159,7 @@ def advance(
     never holds two copies of the model (one tensor, and the patches, beside the one). ValueError, with
     `base` unchanged, if the layouts differ."""
     state = distinct(state)
-    cast = {n: dtype if dtype is not None and t.is_floating_point() else t.dtype for n, t in state.items()}
-    _check_layout(base, {name: (t.shape, cast[name]) for name, t in state.items()})
+    _check_layout(base, {name: (t.shape, _held_as(t, dtype)) for name, t in state.items()})
     parts = []
     for name, t in state.items():
         new = _cast(t, dtype)

@@ -45,7 +45,7 @@ from maskroll.client import ReplicaInfo
 from maskroll.proto.run_record import NCCL_CHECKPOINT
 from maskroll.proto.tensor_push import SPARSE_NCCL, CollectiveSpec, TensorSpec
 
-from . import nccl_sparse
+from . import delta, nccl_sparse
 from .broadcast import collective_update
 from .versions import WeightSyncError, checked, next_version
 
@@ -177,7 +177,7 @@ class NcclPublisher:
         self.tp, self.timeout = tensor_parallel_size, timeout
         self.client: GrpcWeightSyncClient | None = None
         self._engine = None
-        dtype = nccl_sparse.replicas_dtype(dtype)
+        dtype = delta.floating_dtype(dtype)
         # sparse_nccl: the last version sent, on rank 0, the only sender (the other ranks have no part in it)
         sparse = backend == SPARSE_NCCL and rank == 0
         self._base = nccl_sparse.SparseBase(dtype) if sparse else None

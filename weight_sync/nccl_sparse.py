@@ -87,15 +87,6 @@ def check_backend(backend: str, model: torch.nn.Module, *, packed: bool | None, 
             )
 
 
-def replicas_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """`dtype=` as a floating-point torch dtype (its name allowed), or None: the model's own."""
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating-point torch dtype (or its name) or None: {dtype!r}")
-    return dtype
-
-
 class SparseBase:
     """The last version sent, as the replicas hold it (`dtype`; None: the model's own), and whether every
     replica of the group holds it (`known`; only then may a patch be sparse)."""

@@ -113,7 +113,8 @@ def gathered(state: State, keep: bool) -> Iterator[tuple[str, torch.Tensor | Non
         trim_heap()  # the caller dropped its reference before asking for the next tensor
 
 
-def _raw(t: torch.Tensor) -> memoryview:
+def raw(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes (CPU, contiguous): view(uint8) first, numpy has no bfloat16."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
@@ -188,19 +189,19 @@ def write_gathered(
             if tuple(full.shape) != spec.shape:  # a DTensor whose global shape lied: never push it
                 error = ValueError(f"tensor {name!r} gathered as {tuple(full.shape)}, expected {spec.shape}")
                 continue
-            raw = _raw(full)
+            data = raw(full)
             try:
-                f.write(raw)
+                f.write(data)
             except OSError as e:
                 error = e
                 continue
-            crcs.append(zlib.crc32(raw))
-            sums.append(digest_of(raw))  # what the replica checks it loaded (xxh3: 22 GB/s)
+            crcs.append(zlib.crc32(data))
+            sums.append(digest_of(data))  # what the replica checks it loaded (xxh3: 22 GB/s)
             if full.is_floating_point() and key not in seen:
                 seen.add(key)
                 idx = torch.from_numpy(sample_indices(full.numel()))
                 items.append((name, spec.shape, full.reshape(-1)[idx].to(torch.float32).numpy()))
-            del full, raw  # the one parameter this rank holds extra: gone before the next gather
+            del full, data  # the one parameter this rank holds extra: gone before the next gather
     finally:
         if f is not None:
             f.close()
@@ -277,15 +278,15 @@ def read_written(path: str | os.PathLike, version: int) -> WrittenVersion:
     with safe_open(str(path), framework="pt") as f:
         for name in names:
             t = f.get_tensor(name).contiguous()
-            raw = _raw(t)
+            data = raw(t)
             specs.append(
                 TensorSpec(
                     name,
                     dtype_name(name, t.dtype),
                     tuple(t.shape),
-                    raw.nbytes,
-                    zlib.crc32(raw),
-                    digest=digest_of(raw),
+                    data.nbytes,
+                    zlib.crc32(data),
+                    digest=digest_of(data),
                 )
             )
             key = (header[name]["data_offsets"][0], tuple(t.shape))
@@ -293,7 +294,7 @@ def read_written(path: str | os.PathLike, version: int) -> WrittenVersion:
                 seen.add(key)
                 idx = torch.from_numpy(sample_indices(t.numel()))
                 items.append((name, tuple(t.shape), t.reshape(-1)[idx].to(torch.float32).numpy()))
-            del t, raw
+            del t, data
     return WrittenVersion(
         path, WeightsManifest(version=version, tensors=tuple(specs)), weights_fingerprint(items)
     )

@@ -41,7 +41,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -59,35 +59,39 @@ from maskroll.proto.tensor_push import (
     WeightsManifest,
     digest_of,
 )
-from maskroll.proto.weights_fingerprint import digests_fingerprint
 
 from . import broadcast, delta, lora
 from .checkpoint import checkpoint_dir, load_checkpoint, prune
 from .model_fingerprint import model_fingerprint
-from .sharded import WrittenVersion, dtype_name, specs_of, version_file
+from .sharded import WrittenVersion, dtype_name, raw, specs_of, version_file
 from .versions import WeightSyncError, checked, next_version, publish_first
 
 log = logging.getLogger(__name__)
 
 
-_raw = delta.raw
-
-
 def manifest_of(
-    tensors: Mapping[str, torch.Tensor], version: int, run_id: str = "", *, digests: bool = False
+    tensors: Mapping[str, torch.Tensor],
+    version: int,
+    run_id: str = "",
+    *,
+    digests: bool | Sequence[str] = False,
 ) -> WeightsManifest:
     """The manifest of `tensors` (CPU, contiguous), each with its CRC-32 and, with `digests`, the xxh3-64
-    digest the replica checks what it loaded against (delta.py)."""
+    digest the replica checks what it loaded against (delta.py): computed here, or given (one per tensor,
+    in order: a delta's, which computed them already)."""
     dtypes = [dtype_name(name, t.dtype) for name, t in tensors.items()]  # before any byte is summed
-    raws = [_raw(t) for t in tensors.values()]
+    raws = [raw(t) for t in tensors.values()]
     # The checksums are on the critical path (the manifest goes first): zlib releases the GIL, so the
     # tensors are summed on every core (0.15 s for 472 MB on one).
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="maskroll-crc") as pool:
         crcs = list(pool.map(zlib.crc32, raws))
-        sums = list(pool.map(digest_of, raws)) if digests else [""] * len(raws)
+        if digests is True:
+            sums = list(pool.map(digest_of, raws))
+        else:
+            sums = list(digests) if digests else [""] * len(raws)
     specs = (
-        TensorSpec(name, dtype, tuple(t.shape), raw.nbytes, crc, digest=digest)
-        for (name, t), dtype, raw, crc, digest in zip(tensors.items(), dtypes, raws, crcs, sums, strict=True)
+        TensorSpec(name, dtype, tuple(t.shape), data.nbytes, crc, digest=digest)
+        for (name, t), dtype, data, crc, digest in zip(tensors.items(), dtypes, raws, crcs, sums, strict=True)
     )
     return WeightsManifest(version=version, tensors=tuple(specs), run_id=run_id)
 
@@ -99,9 +103,9 @@ def chunks_of(
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     for index, t in enumerate(tensors.values()):
-        raw = _raw(t)
-        for offset in range(0, raw.nbytes, chunk_bytes):
-            yield index, offset, raw[offset : offset + chunk_bytes]
+        data = raw(t)
+        for offset in range(0, data.nbytes, chunk_bytes):
+            yield index, offset, data[offset : offset + chunk_bytes]
 
 
 def save_snapshot(tensors: Mapping[str, torch.Tensor], manifest: WeightsManifest, directory: Path) -> Path:
@@ -126,29 +130,12 @@ def _write(specs, tensors: Iterable[torch.Tensor], directory: Path) -> Path:
         with open(tmp, "wb") as f:
             f.write(safetensors_header(list(specs)))
             for t in tensors:
-                f.write(_raw(t))
+                f.write(raw(t))
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)  # atomic: a reader sees the whole file or none
     return directory
-
-
-def _fingerprint_of(manifest: WeightsManifest) -> str:
-    """The digests' fingerprint of a manifest whose every tensor has one; "" otherwise."""
-    if not manifest.verified or manifest.adapter is not None:
-        return ""
-    return digests_fingerprint((t.name, t.digest) for t in manifest.tensors)
-
-
-def _floating_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
-            dtype = False  # refused below
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating-point torch dtype (or its name), 'auto' or None: {dtype}")
-    return dtype
 
 
 class StreamPublisher:
@@ -206,7 +193,7 @@ class StreamPublisher:
         if deltas not in ("auto", "off"):
             raise ValueError(f"deltas must be 'auto' or 'off', got {deltas!r}")
         self._auto_dtype = dtype == "auto"
-        self.dtype = None if self._auto_dtype else _floating_dtype(dtype)
+        self.dtype = None if self._auto_dtype else delta.floating_dtype(dtype)
         self.deltas = deltas
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
@@ -309,8 +296,11 @@ class StreamPublisher:
             log.info("replicas' dtype unknown (%s: %s): the model's own is sent", type(e).__name__, e)
             return None
         names = {w.dtype for w in served.values() if isinstance(w, ReplicaWeights)}
-        dtype = getattr(torch, names.pop(), None) if len(names) == 1 else None
-        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        try:
+            dtype = delta.floating_dtype(names.pop()) if len(names) == 1 else None
+        except ValueError:  # a replica that reports no dtype, or a non-floating one
+            return None
+        if dtype is None:
             return None
         log.info("the replicas hold %s weights: versions are cast to it and sent in it", dtype)
         return dtype
@@ -354,8 +344,8 @@ class StreamPublisher:
             if base is not None:  # compared tensor by tensor, each old copy replaced by the new one
                 self._delta = self._advance(base, model, base_version, version)
             trim_heap()
-            if self._delta is not None:
-                self._remember(base, version)
+            if self._delta is not None:  # its digests are the new version's: not summed again
+                self._remember(base, version, digests=[t.digest for t in self._delta.manifest.tensors])
             else:
                 self._remember_model(model, version)
             del base
@@ -391,7 +381,7 @@ class StreamPublisher:
         with self._lock:
             before = self._written
             self._tensors, self._written, self._manifest = None, written, written.manifest
-            self._delta, self.fingerprint = None, _fingerprint_of(written.manifest)
+            self._delta, self.fingerprint = None, written.manifest.digests_fingerprint
             self.held = (self.queue.run.run_id, version)
             self.last_update_bytes = written.manifest.total_bytes
             if version == 0:
@@ -518,12 +508,16 @@ class StreamPublisher:
         self.close()
 
     def _remember(
-        self, tensors: dict[str, torch.Tensor], version: int, adapter: AdapterSpec | None = None
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int,
+        adapter: AdapterSpec | None = None,
+        digests: Sequence[str] | None = None,
     ) -> None:
-        manifest = manifest_of(tensors, version, digests=adapter is None)
+        manifest = manifest_of(tensors, version, digests=digests or adapter is None)
         if adapter is not None:  # applied on the replicas' base, for the queue's namespace
             manifest = replace(manifest, adapter=adapter, namespace=self.queue.namespace)
-        self.fingerprint = _fingerprint_of(manifest)
+        self.fingerprint = manifest.digests_fingerprint
         self._tensors, self._manifest = tensors, manifest
         self._written = None
         self.held = (self.queue.run.run_id, version)
@@ -564,7 +558,7 @@ class StreamPublisher:
         the follower sends, instead of a snapshot; nothing is recorded or pushed here (catch_up does)."""
         with self._lock:
             self._tensors, self._written, self._manifest = None, written, written.manifest
-            self._delta, self.fingerprint = None, _fingerprint_of(written.manifest)
+            self._delta, self.fingerprint = None, written.manifest.digests_fingerprint
             self.held = (self.queue.run.run_id, written.manifest.version)
 
     def _chunks(self) -> Iterator[tuple[int, int, memoryview | bytes]]:

@@ -41,7 +41,6 @@ from typing import Protocol
 from maskroll.proto.heap import trim_heap
 from maskroll.proto.records import WeightsUpdate, WeightsUpdateResult
 from maskroll.proto.tensor_push import WeightsManifest
-from maskroll.proto.weights_fingerprint import digests_fingerprint
 
 from ..config import ServerConfig
 from ..engines.contract import Engine
@@ -309,14 +308,14 @@ class WeightUpdates:
         """The digests' fingerprint of a loaded push whose every tensor had one and came in the dtype the
         engine holds it in (the engine keeps the bytes it was sent); "" for anything else."""
         manifest = getattr(source, "manifest", None)
-        if not isinstance(manifest, WeightsManifest) or not manifest.verified:
+        if not isinstance(manifest, WeightsManifest):
             return ""
         served = self._engine.settings.dtype
         for t in manifest.tensors:
             dtype = checkpoints.torch_dtype(t.dtype)
             if dtype.is_floating_point and str(dtype).removeprefix("torch.") != served:
                 return ""
-        return digests_fingerprint((t.name, t.digest) for t in manifest.tensors)
+        return manifest.digests_fingerprint
 
 
 def _log_refused(update: WeightsUpdate, exc: ServiceError, source: WeightSource | None = None) -> None:
