@@ -13,4 +13,4 @@ for folder in (TESTS / "queue", TESTS / "server", TESTS / "server" / "weights"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from weights_fixtures import loop, model_dir, spool, torch_replica, weights_root  # noqa: E402, F401  (fixtures)
+from weights_fixtures import loop, model, model_dir, spool, torch_replica, weights_root  # noqa: E402, F401

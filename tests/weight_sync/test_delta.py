@@ -1,24 +1,21 @@
-"""Delta pushes for real: `maskroll serve --pull` replica processes (torch engine, bfloat16), one Redis and
-a float32 trainer model published by StreamPublisher (dtype "auto": the replicas' bfloat16). A delta reaches the replicas that
-serve its base and leaves them bit for bit where a full push would (equal digests' fingerprints, equal
-tokens and logprobs for a fixed seed); a replica that missed a version, or joined late, is sent the full
-version; a patch corrupted past its CRC is refused by its digest, the replica serving on, and the trainer
-sends that replica the full version instead."""
+"""Delta pushes for real: `maskroll serve --pull` replica processes (torch engine, bfloat16), one Redis and a
+float32 trainer model published by StreamPublisher (dtype "auto": the replicas' bfloat16). A delta reaches
+the replicas that serve its base and leaves them bit for bit where a full push would (equal digests'
+fingerprints, equal tokens and logprobs for a fixed seed); a replica that missed a version, or joined
+late, is sent the full version; a patch corrupted past its CRC is refused by its digest, the replica
+serving on, and the trainer sends that replica the full version instead."""
 
 from __future__ import annotations
 
-import dataclasses
 import signal
-import time
-import zlib
 
 import pytest
 import torch
 from procs import Replicas
+from push_helpers import flip_last_byte, past_crc, wait_replicas
 
 from maskroll.client import RolloutQueue, SamplingOptions, SyncRolloutClient
 from maskroll.local.redis_server import LocalRedis
-from maskroll.proto.tensor_push import SPARSE
 from maskroll.weight_sync import delta
 from maskroll.weight_sync.broadcast import replica_weights
 from maskroll.weight_sync.stream import StreamPublisher
@@ -42,13 +39,6 @@ def cluster(model_dir, tmp_path_factory):
             reps.stop_all()
 
 
-@pytest.fixture(scope="module")
-def model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False)
-
-
 def _step(model, seed: int, lr: float = 1e-5) -> None:
     """An Adam-like step: every float32 weight moves by about lr, so only the bf16 elements near a rounding
     boundary change (a few percent of them)."""
@@ -67,19 +57,12 @@ def _sample(address: str):
     return rec.policy_version_first, list(rec.completion_ids), rec.sampled_logprobs.tolist()
 
 
-def _wait(q, n: int) -> None:
-    deadline = time.monotonic() + 30
-    while len(q.replicas()) < n:
-        assert time.monotonic() < deadline, f"fewer than {n} replicas registered"
-        time.sleep(0.1)
-
-
 def test_a_delta_leaves_replicas_bit_for_bit_where_a_full_push_would_and_a_late_replica_gets_it_whole(
     cluster, model
 ):
     url, reps = cluster
     with RolloutQueue(url, NS, run="new", batch_size=2) as q:
-        _wait(q, 2)
+        wait_replicas(q, 2)
         # dtype "auto" (the default): the replicas say they hold bfloat16 weights, so the trainer casts
         with StreamPublisher(q, follow_s=0.3, timeout=60) as pub:
             assert pub.start(model) == 0
@@ -106,7 +89,7 @@ def test_a_delta_leaves_replicas_bit_for_bit_where_a_full_push_would_and_a_late_
 def test_a_replica_that_missed_a_version_is_sent_the_full_one_never_a_patch(cluster, model):
     url, reps = cluster
     with RolloutQueue(url, NS, run="resume", batch_size=2) as q:
-        _wait(q, 3)
+        wait_replicas(q, 3)
         with StreamPublisher(
             q,
             dtype=torch.bfloat16,
@@ -139,18 +122,10 @@ def test_a_patch_corrupted_past_its_crc_is_refused_by_its_digest_and_the_replica
     advance = delta.advance
 
     def corrupted(*args, **kwargs):  # one value of the first patch flipped, its CRC made to agree
-        d = advance(*args, **kwargs)
-        i = next(i for i, t in enumerate(d.manifest.tensors) if t.encoding == SPARSE)
-        data = bytearray(d.payloads[i])
-        data[-1] ^= 0x01
-        tensors = list(d.manifest.tensors)
-        tensors[i] = dataclasses.replace(tensors[i], crc32=zlib.crc32(data))
-        payloads = list(d.payloads)
-        payloads[i] = bytes(data)
-        return delta.Delta(dataclasses.replace(d.manifest, tensors=tuple(tensors)), tuple(payloads))
+        return past_crc(advance(*args, **kwargs), flip_last_byte)
 
     with RolloutQueue(url, NS, run="resume", batch_size=2) as q:
-        _wait(q, 3)
+        wait_replicas(q, 3)
         held = (q.run_id, q.run.version)
         with StreamPublisher(q, dtype=torch.bfloat16, follow_s=None, timeout=30, held=held) as pub:
             pub.start(model)

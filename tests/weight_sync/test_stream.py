@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from procs import Replicas
+from push_helpers import wait_replicas
 
 from maskroll.client import ReplicaWeights, RolloutQueue, SyncRolloutClient
 from maskroll.local.redis_server import LocalRedis
@@ -41,24 +42,10 @@ def cluster(model_dir, tmp_path_factory):
             reps.stop_all()
 
 
-@pytest.fixture(scope="module")
-def model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False)
-
-
 def _step(model, seed: int) -> None:  # a stand-in for an optimiser step
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.add_(torch.randn(p.shape, generator=g) * 1e-3)
-
-
-def _wait_replicas(q: RolloutQueue, n: int) -> None:
-    deadline = time.monotonic() + 30
-    while len(q.replicas()) < n:
-        assert time.monotonic() < deadline, f"fewer than {n} replicas registered"
-        time.sleep(0.1)
 
 
 def test_publish_reaches_every_replica_and_a_replica_started_mid_run_joins_at_the_current_version(
@@ -66,7 +53,7 @@ def test_publish_reaches_every_replica_and_a_replica_started_mid_run_joins_at_th
 ):
     url, reps = cluster
     with RolloutQueue(url, NS, run="new", batch_size=2) as q:
-        _wait_replicas(q, 2)
+        wait_replicas(q, 2)
         with StreamPublisher(q, follow_s=0.3, timeout=60) as pub:
             assert pub.start(model) == 0
             _step(model, 1)

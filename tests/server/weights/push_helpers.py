@@ -74,3 +74,37 @@ def call(address: str, fn):
 
 def info(address: str):
     return call(address, lambda c: c.info())
+
+
+def wait_replicas(q, n: int, timeout: float = 30.0) -> None:
+    """Until `n` replicas are registered in the queue's namespace (AssertionError after `timeout` s)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(q.replicas()) < n:
+        assert time.monotonic() < deadline, f"fewer than {n} replicas registered"
+        time.sleep(0.1)
+
+
+def past_crc(d, edit):
+    """The delta `d` with its first sparse patch's bytes changed by `edit(bytearray)` and its CRC made to
+    agree: only the replica's own checks (the digest, the indices' range) can tell."""
+    import dataclasses
+    import zlib
+
+    from maskroll.proto.tensor_push import SPARSE
+    from maskroll.weight_sync import delta
+
+    i = next(i for i, t in enumerate(d.manifest.tensors) if t.encoding == SPARSE)
+    data = bytearray(d.payloads[i])
+    edit(data)
+    tensors = list(d.manifest.tensors)
+    tensors[i] = dataclasses.replace(tensors[i], crc32=zlib.crc32(data))
+    payloads = list(d.payloads)
+    payloads[i] = bytes(data)
+    return delta.Delta(dataclasses.replace(d.manifest, tensors=tuple(tensors)), tuple(payloads))
+
+
+def flip_last_byte(data: bytearray) -> None:
+    """One value of a patch off by one bit (a patch's values come after its indices)."""
+    data[-1] ^= 0x01

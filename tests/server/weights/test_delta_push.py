@@ -6,13 +6,10 @@ range, is refused (INVALID_ARGUMENT) — each leaving the old version serving th
 
 from __future__ import annotations
 
-import dataclasses
-import zlib
-
 import grpc
 import numpy as np
 import torch
-from push_helpers import call, info, messages, push, state_dict
+from push_helpers import call, flip_last_byte, info, messages, past_crc, push, state_dict
 
 from maskroll.client import SamplingOptions
 from maskroll.proto import wire
@@ -110,24 +107,16 @@ def test_a_delta_on_another_base_or_corrupted_past_its_crc_is_refused_and_the_ol
     unchanged()
     # one value flipped, the CRC made to agree: only the digest can tell
     d = encode(base, target, v + 1, v)
-    i = next(i for i, t in enumerate(d.manifest.tensors) if t.encoding == SPARSE)
-    data = bytearray(d.payloads[i])
-    data[-1] ^= 0x01
-    tensors = list(d.manifest.tensors)
-    tensors[i] = dataclasses.replace(tensors[i], crc32=zlib.crc32(data))
-    payloads = list(d.payloads)
-    payloads[i] = bytes(data)
-    bad = delta.Delta(dataclasses.replace(d.manifest, tensors=tuple(tensors)), tuple(payloads))
-    e = push(addr, delta_messages(bad))
-    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "would be" in e.message and tensors[i].name in e.message, e
+    patched = next(t.name for t in d.manifest.tensors if t.encoding == SPARSE)
+    e = push(addr, delta_messages(past_crc(d, flip_last_byte)))
+    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "would be" in e.message and patched in e.message, e
     unchanged()
+
     # an index out of range (the CRC agreeing again): refused before anything is written
-    data = bytearray(d.payloads[i])
-    data[0:4] = np.array([10**9], "<i4").tobytes()
-    tensors[i] = dataclasses.replace(d.manifest.tensors[i], crc32=zlib.crc32(data))
-    payloads[i] = bytes(data)
-    bad = delta.Delta(dataclasses.replace(d.manifest, tensors=tuple(tensors)), tuple(payloads))
-    e = push(addr, delta_messages(bad))
+    def out_of_range(data: bytearray) -> None:
+        data[0:4] = np.array([10**9], "<i4").tobytes()
+
+    e = push(addr, delta_messages(past_crc(d, out_of_range)))
     assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "indices" in e.message, e
     unchanged()
     # and the valid delta still applies

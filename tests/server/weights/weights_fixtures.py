@@ -54,6 +54,15 @@ def torch_replica(loop, model_dir, weights_root, spool):
     loop.run(engine.close())
 
 
+@pytest.fixture(scope="module")
+def model(model_dir):
+    """The tiny model as a trainer holds it (float32, no gradients): each module's own copy, which its
+    stand-in optimiser steps move."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(model_dir) -> Path:
     """The name tests/server/vllm_fixtures.py asks for: the same tiny model (init_model is deterministic)."""
